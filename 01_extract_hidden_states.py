@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Stage 01: run the verifier over conversations and store its hidden states at the aux layers.
+
+Inputs:  a verifier checkpoint (Hugging Face layout; Kimi-K2.5's nested `text_config` is fine) and
+         conversations (.jsonl/.json rows in OpenAI `messages` or ShareGPT `conversations` form, or a
+         `datasets` folder saved with save_to_disk).
+Output:  one shard `<out-dir>/rows_<start>-<end>/` per row range: input_ids, assistant-only loss_mask,
+         aux hidden states at `aux_layer_ids` (vLLM convention: id i = HF hidden_states[i]) and the last
+         layer's pre-norm output for the teacher, in safetensors part files, with manifest.json
+         (sample ids, token counts, sha256 per file), rejects.jsonl (every row not written, with its
+         reason) and meta.json (verifier, layer ids, hidden size, dtype, counts, versions).
+Safe to interrupt: parts are written atomically; rerun the same command to finish a shard (finished
+parts are skipped); --overwrite redoes it. A complete shard is a logged skip (exit 0).
+
+Examples:
+  # one shard with the real run's settings
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row 0 --end-row 2000
+  # a shell loop over shards (each one resumable, the loop stops on the first failure)
+  set -euo pipefail; for s in $(seq 0 2000 600000); do
+    python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row $s --end-row $((s+2000)); done
+  # the tiny CI verifier
+  python 01_extract_hidden_states.py --config configs/tiny.toml
+"""
+
+import sys
+
+from eagle3_pipeline.cli import run_stage
+
+
+def main(argv=None) -> int:
+    def body(cfg):
+        from eagle3_pipeline.extract import run
+
+        return run(cfg)
+
+    return run_stage(__doc__, "extract", argv, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

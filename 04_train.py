@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""Stage 04: train the EAGLE-3 draft head with training-time test, on CPU, one GPU or torchrun.
+
+Inputs:  hidden-state shards (stage 01), the vocab mapping (stage 02), optionally the split (stage 03),
+         and from the verifier only embed_tokens, the final norm and lm_head (read through the
+         safetensors index, whatever the prefix: `language_model.` for Kimi-K2.5).
+Output:  <out-dir>/checkpoints/step_NNNNNN/ (complete ones only; the last --keep-last and the best by
+         validation acceptance length, named in checkpoints/best.json), train_log.jsonl, meta.json.
+The draft is speculators' Eagle3DraftModel with an explicit Llama decoder config (head_dim 128 for
+Kimi, never inherited from the verifier). Loss: KL to the verifier's distribution over the draft vocab.
+Validation: acc/cond accuracy per TTT step and the simulated acceptance length, also before training.
+Safe to interrupt: SIGTERM/SIGINT save a checkpoint and exit 130; rerunning the same command resumes
+from the latest complete checkpoint with model, optimizer, scheduler, RNG and data position restored
+(bitwise identical to an uninterrupted run on CPU). --overwrite starts over.
+
+Examples:
+  python 04_train.py --config configs/kimi_k25.toml                        # one GPU, bf16
+  torchrun --nproc-per-node 8 04_train.py --config configs/kimi_k25.toml   # 8 GPUs, DDP
+  python 04_train.py --config configs/tiny.toml                            # CPU smoke, fp32
+"""
+
+import sys
+
+from eagle3_pipeline.cli import run_stage
+
+
+def main(argv=None) -> int:
+    def body(cfg):
+        from eagle3_pipeline.train import run
+
+        return run(cfg)
+
+    return run_stage(__doc__, "train", argv, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Training checkpoints that count only when complete, with retention of the last few and the best.
+
+`<run>/checkpoints/step_000400/` holds model.safetensors (trainable weights only: the verifier's
+tensors are reloaded from the verifier), state.pt (optimizer, scheduler, RNG states) and checkpoint.json
+(step, validation metrics); it is built as `step_000400.tmp` and renamed after COMPLETE is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_pipeline import storage
+from eagle3_pipeline.errors import UserError
+
+log = logging.getLogger("eagle3.checkpoint")
+
+BEST_FILE = "best.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
+                  and not p.name.endswith(storage.TMP_SUFFIX) and storage.is_complete(p))
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: Path, step: int, weights: dict[str, torch.Tensor], train_state: dict[str, Any],
+         info: dict[str, Any], keep_last: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + storage.TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    storage.save_safetensors_atomic({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                                    tmp / "model.safetensors")
+    torch.save(train_state, tmp / "state.pt")
+    storage.write_json_atomic(tmp / "checkpoint.json", {"step": step, **info})
+    storage.publish_dir(tmp, final)
+    _update_best(root, final, info)
+    _prune(root, keep_last)
+    return final
+
+
+def _update_best(root: Path, ckpt: Path, info: dict[str, Any]) -> None:
+    score = info.get("val", {}).get("acceptance_length")
+    if score is None:
+        return
+    best_file = root / BEST_FILE
+    best = storage.read_json(best_file) if best_file.exists() else None
+    if best is None or score > best["acceptance_length"] or not (root / best["checkpoint"]).exists():
+        storage.write_json_atomic(best_file, {"checkpoint": ckpt.name, "acceptance_length": score})
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    best_file = root / BEST_FILE
+    best = storage.read_json(best_file)["checkpoint"] if best_file.exists() else None
+    ckpts = complete_checkpoints(root)
+    for p in ckpts[: max(0, len(ckpts) - keep_last)]:
+        if p.name != best:
+            shutil.rmtree(p)
+    for p in root.glob(f"*{storage.TMP_SUFFIX}"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def latest(root: Path) -> Path | None:
+    ckpts = complete_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def resolve(root: Path, which: str) -> Path:
+    """`best`, `latest` or a checkpoint folder name."""
+    if which == "latest":
+        p = latest(root)
+    elif which == "best":
+        best_file = root / BEST_FILE
+        p = root / storage.read_json(best_file)["checkpoint"] if best_file.exists() else latest(root)
+    else:
+        p = root / which
+    if p is None or not storage.is_complete(p):
+        raise UserError(f"{root}: no complete checkpoint {which!r} (have: "
+                        f"{[c.name for c in complete_checkpoints(root)]})")
+    return p
+
+
+def load(ckpt: Path, with_state: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None,
+                                                        dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    state = torch.load(ckpt / "state.pt", weights_only=False) if with_state else None
+    return weights, state, storage.read_json(ckpt / "checkpoint.json")

@@ -1,0 +1,74 @@
+"""What every stage script shares: its parser (the docstring is the manual), logging, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from eagle3_pipeline.config import STAGE_CONFIGS, add_config_flags, resolve_config
+from eagle3_pipeline.errors import UserError
+
+log = logging.getLogger("eagle3")
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One plain line per event on stderr; only rank 0 speaks in a distributed run."""
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = "%(asctime)s %(levelname)s"
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        prefix += f" [rank {os.environ.get('RANK', '0')}]"
+    handler.setFormatter(logging.Formatter(prefix + " %(message)s", "%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level if is_rank0() else "WARNING")
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel("WARNING")
+
+
+def build_parser(doc: str | None, section: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, STAGE_CONFIGS[section])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    return parser
+
+
+def run_stage(doc: str | None, section: str, argv: list[str] | None,
+              body: Callable[[Any], int | None],
+              extra_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """Parse, resolve the config, run `body(cfg)`; a UserError is one line and exit status 2."""
+    parser = build_parser(doc, section)
+    if extra_args is not None:
+        extra_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = resolve_config(STAGE_CONFIGS[section], args, section)
+        if extra_args is not None:
+            cfg = (cfg, args)
+        code = body(cfg)
+    except UserError as e:
+        log.error("error: %s", e)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+    return int(code or 0)
+
+
+def progress(iterable: Any = None, **kw: Any) -> Any:
+    """tqdm that stays quiet when stderr is not a terminal or on ranks other than 0."""
+    from tqdm import tqdm
+
+    disable = not sys.stderr.isatty() or not is_rank0()
+    return tqdm(iterable, disable=disable, dynamic_ncols=True, **kw)

@@ -1,0 +1,238 @@
+"""Typed stage configs, a TOML file per run, and command-line overrides.
+
+Each stage has one dataclass; every field has a help text that becomes its `--flag` (underscores to
+dashes). Precedence: command line > config file section > field default. A key in the file that the
+stage does not know is an error naming the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.errors import UserError
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with its help text (and optional flag aliases)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _req(help: str, **kw: Any) -> Any:
+    """A field that must come from the config file or the command line."""
+    return field(default=None, metadata={"help": help, "required": True, **kw})
+
+
+@dataclass
+class ExtractConfig:
+    verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
+    data_path: str | None = _req("Conversations: a .jsonl/.json file (ShareGPT `conversations` or "
+                               "OpenAI `messages` rows) or a `datasets` dataset saved with save_to_disk.")
+    data_split: str = _f("train", "Split to read when --data-path is a saved DatasetDict.")
+    out_dir: str | None = _req("Root folder of the hidden-state shards; each run writes one "
+                             "`rows_<start>-<end>/` shard inside it.")
+    start_row: int = _f(0, "First input row of this shard (inclusive).")
+    end_row: int | None = _f(None, "Row after the last one of this shard (exclusive); default: end of data.")
+    aux_layer_ids: list[int] | None = _f(None, "Aux layer ids in vLLM's convention (id i = Hugging Face "
+                                         "hidden_states[i], the residual stream entering layer i); "
+                                         "default (2, N//2, N-3), [2, 30, 58] for Kimi-K2.5.")
+    max_seq_len: int = _f(4096, "Rows whose templated conversation is longer are rejected (rejects.jsonl).")
+    samples_per_file: int = _f(64, "Samples per safetensors part file (the unit of resume).")
+    dtype: str = _f("auto", "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), "
+                    "bfloat16, float32.")
+    trust_remote_code: bool = _f(False, "Allow the verifier's own modelling code (a Kimi-K2.5 checkpoint "
+                                 "loads natively with transformers>=5.19; set only if needed).")
+    overwrite: bool = _f(False, "Redo a shard that is already complete.")
+
+
+@dataclass
+class VocabConfig:
+    data_dir: list[str] = _f([], "One or more hidden-state shard folders (rows_*/) or roots holding them.")
+    out_dir: str | None = _req("Folder for vocab_mapping.safetensors (d2t, t2d) and meta.json.")
+    draft_vocab_size: int = _f(32000, "Draft vocabulary size K: the K most frequent target tokens.")
+    overwrite: bool = _f(False, "Replace an existing complete output.")
+
+
+@dataclass
+class SplitConfig:
+    data_dir: list[str] = _f([], "One or more hidden-state shard folders (rows_*/) or roots holding them.")
+    out_dir: str | None = _req("Folder for split.json (train/val sample lists) and meta.json.")
+    val_ratio: float = _f(0.05, "Fraction of conversations held out for validation.")
+    seed: int = _f(0, "Seed of the conversation-level split (same seed, same split).")
+    overwrite: bool = _f(False, "Replace an existing complete output.")
+
+
+@dataclass
+class TrainConfig:
+    verifier_path: str | None = _f(None, "Verifier checkpoint (for embed_tokens, final norm, lm_head only); "
+                                   "default: the one recorded in the shards' meta.json.")
+    data_dir: list[str] = _f([], "Hidden-state shard folders (rows_*/) or roots holding them.")
+    split_dir: str | None = _f(None, "Output of 03_split_data.py; default: split here with --val-ratio.")
+    vocab_mapping_dir: str | None = _req("Output of 02_build_vocab_mapping.py.")
+    out_dir: str | None = _req("Training run folder: checkpoints/, train_log.jsonl, meta.json.",
+                             aliases=["--output-dir"])
+    epochs: int = _f(1, "Passes over the training split.")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps (overrides --epochs if smaller).")
+    lr: float = _f(1e-4, "Peak AdamW learning rate.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of --lr (cosine decay).")
+    warmup_steps: int = _f(100, "Linear warm-up steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    grad_clip: float = _f(0.5, "Clip the global gradient norm to this value.")
+    max_seq_len: int = _f(4096, "Longer samples are truncated (the prefix is still valid training data).")
+    batch_tokens: int = _f(8192, "Tokens packed into one micro-batch (samples are never split).")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
+    ttt_steps: int = _f(3, "Training-time-test steps unrolled per position (= draft tokens trained).")
+    ttt_step_loss_decay: float = _f(1.0, "Weight of step s is decay**s.")
+    val_ratio: float = _f(0.05, "Validation fraction when no --split-dir is given.")
+    num_workers: int = _f(0, "DataLoader worker processes (0: load in the training process).")
+    seed: int = _f(0, "Seed for initialisation, data order and split.")
+    dtype: str = _f("auto", "auto (bfloat16 autocast on CUDA, float32 on CPU), bfloat16, float32.")
+    num_attention_heads: int = _f(64, "Draft attention heads.")
+    num_key_value_heads: int = _f(64, "Draft key/value heads.")
+    head_dim: int = _f(128, "Draft head dim, written explicitly to config.json (never hidden/heads).")
+    intermediate_size: int = _f(18432, "Draft MLP width.")
+    rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).")
+    max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.")
+    norm_before_residual: bool = _f(False, "EAGLE-3 residual = hidden_norm(g) instead of g.")
+    train_lm_head: bool = _f(False, "Train the draft lm_head (default: frozen copy of the verifier's rows).")
+    log_every: int = _f(10, "Optimizer steps between log lines.")
+    eval_every: int = _f(200, "Optimizer steps between validations (and at the end).")
+    save_every: int = _f(200, "Optimizer steps between checkpoints (and at the end).")
+    keep_last: int = _f(3, "Complete checkpoints kept besides the best one.")
+    val_max_samples: int | None = _f(None, "Cap on validation samples per evaluation.")
+    overwrite: bool = _f(False, "Start over even if --out-dir has checkpoints (default: resume).")
+
+
+@dataclass
+class ExportConfig:
+    train_dir: str | None = _req("Training run folder (the --out-dir of 04_train.py).")
+    checkpoint: str = _f("best", "best, latest, or a checkpoint folder name such as step_000400.")
+    out_dir: str | None = _req("Export folder: config.json + model.safetensors for vLLM.")
+    gate_samples: int = _f(4, "Stored samples on which the read-back export must reproduce the trained "
+                           "draft's logits.")
+    num_speculative_tokens: int = _f(3, "k in the printed vllm serve line.")
+    overwrite: bool = _f(False, "Replace an existing good export (only after the new one passes the gate).")
+
+
+@dataclass
+class EvaluateConfig:
+    verifier_path: str | None = _f(None, "Verifier checkpoint; default: the one recorded by the export.")
+    draft_dir: str | None = _req("An export folder from 05_export.py.")
+    data_path: str | None = _req("Conversations (same formats as stage 01); each prompt is a "
+                               "conversation up to its first assistant turn.")
+    start_row: int = _f(0, "First row used for prompts.")
+    num_prompts: int = _f(8, "Prompts evaluated.")
+    max_new_tokens: int = _f(64, "Tokens generated per prompt.")
+    num_speculative_tokens: int = _f(3, "k draft tokens per step.")
+    engine: str = _f("sim", "sim (this project's PyTorch simulation of vLLM's EAGLE-3 chain) or vllm.")
+    vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
+    out_dir: str | None = _f(None, "Where to write acceptance.json (default: the draft folder).")
+
+
+STAGE_CONFIGS = {"extract": ExtractConfig, "vocab": VocabConfig, "split": SplitConfig, "train": TrainConfig,
+                 "export": ExportConfig, "evaluate": EvaluateConfig}
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(inner type, is_optional) of a field annotation such as `int | None` or `list[int]`."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return tp, False
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One `--flag` per config field; defaults are None so unset flags don't mask the file."""
+    parser.add_argument("--config", help="TOML config file; this stage reads its own section.")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, _ = _base_type(hints[f.name])
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "required" if f.metadata.get("required") else f"default: {default}"
+        help_text = f"{f.metadata['help']} ({shown})"
+        if tp is bool:
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        elif typing.get_origin(tp) is list:
+            item = typing.get_args(tp)[0]
+            parser.add_argument(*flags, dest=f.name, nargs="+", type=item, default=None, help=help_text)
+        else:
+            parser.add_argument(*flags, dest=f.name, type=tp, default=None, help=help_text)
+
+
+def load_config_file(path: str | None, section: str) -> dict[str, Any]:
+    """The `[section]` table of a TOML file (empty without a file)."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{p}: not valid TOML ({e})") from None
+    unknown_sections = set(data) - set(STAGE_CONFIGS) - {"run"}
+    if unknown_sections:
+        raise UserError(f"{p}: unknown section(s) {sorted(unknown_sections)}; "
+                        f"known: {sorted(STAGE_CONFIGS)} and [run]")
+    return dict(data.get(section, {}))
+
+
+def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
+    """Defaults < file section < command line; unknown file keys and missing required values are errors."""
+    from_file = load_config_file(args.config, section)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(from_file) - names)
+    if unknown:
+        raise UserError(f"{args.config}: unknown key(s) {unknown} in [{section}]; "
+                        f"known keys: {sorted(names)}")
+    values = dict(from_file)
+    for name in names:
+        cli_value = getattr(args, name, None)
+        if cli_value is not None:
+            values[name] = cli_value
+    try:
+        cfg = cls(**values)
+    except TypeError as e:
+        raise UserError(f"[{section}]: {e}") from None
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(cfg, f.name)
+        tp, optional = _base_type(hints[f.name])
+        if value is None:
+            if f.metadata.get("required"):
+                raise UserError(f"--{f.name.replace('_', '-')} is required (or `{f.name}` in [{section}] "
+                                "of --config)")
+            continue
+        _check_type(section, f.name, value, tp)
+    return cfg
+
+
+def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
+    ok: bool
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) or
+                                             (item is str and isinstance(v, str)) for v in value)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise UserError(f"[{section}] {name} = {value!r}: expected {getattr(tp, '__name__', tp)}")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,140 @@
+"""An exported draft, read and run the way vLLM reads and runs it, in plain PyTorch.
+
+This deliberately does not use the training classes. It follows vLLM's `LlamaForCausalLMEagle3`
+(`vllm/model_executor/models/llama_eagle3.py`, summarised in shared/reference/vllm-eagle3-contract.md):
+- head_dim = config["head_dim"], else hidden_size // num_attention_heads; q/k/v/o weights are narrowed
+  to that size (first rows / columns) as vLLM's loader does, so a missing head_dim misbehaves here
+  exactly as it does there, silently;
+- aux layer ids from the top-level `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s;
+- d2t offsets from the file, else zeros (identity) when the draft vocab is smaller;
+- norm_before_residual from the config, default false; RoPE (neox style) from rope_theta;
+- embed_tokens is the verifier's (the export ships none).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)) * w.float()
+
+
+def aux_layer_ids_of(config: dict[str, Any]) -> list[int] | None:
+    """What vLLM's model runner captures: top-level ids first, then eagle_config.layer-style ids."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else list(ids)
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [heads_kv, T, head_dim], RoPE applied
+    v: torch.Tensor
+
+    def truncate(self, n: int) -> KVCache:
+        return KVCache(self.k[:, :n], self.v[:, :n])
+
+
+class ReferenceDraft:
+    """fc -> one EAGLE-3 decoder layer -> norm -> lm_head, on float32 copies of the exported weights."""
+
+    def __init__(self, export_dir: Path, embed_tokens: torch.Tensor):
+        from safetensors.torch import load_file
+
+        self.config = json.loads((export_dir / "config.json").read_text())
+        c = self.config
+        self.hidden = c["hidden_size"]
+        self.heads = c["num_attention_heads"]
+        self.kv_heads = c.get("num_key_value_heads", self.heads)
+        self.head_dim = c.get("head_dim") or self.hidden // self.heads
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.rope_theta = c.get("rope_theta", 10000.0)
+        self.norm_before_residual = bool(c.get("norm_before_residual", False))
+        self.aux_layer_ids = aux_layer_ids_of(c)
+        w = {k: v.float() for k, v in load_file(str(export_dir / "model.safetensors")).items()}
+        layer = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
+        q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.fc = w["fc.weight"]
+        self.wq = w[layer + "self_attn.q_proj.weight"][:q_rows]
+        self.wk = w[layer + "self_attn.k_proj.weight"][:kv_rows]
+        self.wv = w[layer + "self_attn.v_proj.weight"][:kv_rows]
+        self.wo = w[layer + "self_attn.o_proj.weight"][:, :q_rows]
+        self.w_gate = w[layer + "mlp.gate_proj.weight"]
+        self.w_up = w[layer + "mlp.up_proj.weight"]
+        self.w_down = w[layer + "mlp.down_proj.weight"]
+        self.n_in = w[layer + "input_layernorm.weight"]
+        self.n_hidden = w[layer + "hidden_norm.weight"]
+        self.n_post = w[layer + "post_attention_layernorm.weight"]
+        self.n_final = w["norm.weight"]
+        self.lm_head = w["lm_head.weight"]
+        draft_vocab = c.get("draft_vocab_size", c["vocab_size"])
+        d2t = w.get("d2t")
+        self.d2t = d2t.long() if d2t is not None else torch.zeros(draft_vocab, dtype=torch.long)
+        self.embed = embed_tokens.float()
+
+    # --- pieces -------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Neox-style rotary embedding on [heads, T, head_dim]."""
+        half = self.head_dim // 2
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+        ang = positions.double()[:, None] * inv_freq[None]
+        cos, sin = ang.cos().float(), ang.sin().float()
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def _layer(self, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+               ) -> tuple[torch.Tensor, KVCache]:
+        """One decoder-layer pass for new slots [T]; they attend to `cache` then causally to themselves."""
+        e = self.embed[tokens]
+        hn = _rms_norm(g, self.n_hidden, self.eps)
+        residual = hn if self.norm_before_residual else g
+        x = torch.cat([_rms_norm(e, self.n_in, self.eps), hn], dim=-1)
+        T = x.shape[0]
+        q = (x @ self.wq.T).view(T, self.heads, self.head_dim).transpose(0, 1)
+        k = (x @ self.wk.T).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = (x @ self.wv.T).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        past = 0 if cache is None else cache.k.shape[1]
+        if cache is not None:
+            k, v = torch.cat([cache.k, k], dim=1), torch.cat([cache.v, v], dim=1)
+        new_cache = KVCache(k, v)
+        rep = self.heads // self.kv_heads
+        kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        scores = (q @ kk.transpose(1, 2)) / self.head_dim ** 0.5
+        allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        a = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(T, self.heads * self.head_dim) @ self.wo.T
+        h1 = a + residual
+        m = _rms_norm(h1, self.n_post, self.eps)
+        out = (torch.nn.functional.silu(m @ self.w_gate.T) * (m @ self.w_up.T)) @ self.w_down.T + h1
+        return out, new_cache
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(out, self.n_final, self.eps) @ self.lm_head.T
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # --- what vLLM runs -------------------------------------------------------------------------
+    @torch.no_grad()
+    def first_pass(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """Slots t: verifier features at t ([T, n_aux*H], ascending ids), embedding of token t+1, RoPE t."""
+        g = aux.float() @ self.fc.T
+        out, cache = self._layer(g, next_tokens, positions, None)
+        return out, self.logits(out), cache
+
+    @torch.no_grad()
+    def step(self, g: torch.Tensor, token: torch.Tensor, position: torch.Tensor, cache: KVCache
+             ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """A further draft step: g is the previous step's pre-norm output (not passed through fc)."""
+        out, cache = self._layer(g, token, position, cache)
+        return out, self.logits(out), cache

@@ -1,0 +1,161 @@
+"""Reading hidden-state shards safely: only complete ones, checksummed, and all from one verifier setup.
+
+Every later stage opens its `--data-dir` folders through `open_shards`, which refuses (naming the file)
+a shard that is unfinished, truncated, corrupt (sha256), or made with another verifier, other aux
+layer ids, hidden size or dtype than the other shards or than the stage expects.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_pipeline import storage
+from eagle3_pipeline.cli import progress
+from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.extract import SHARD_FORMAT
+
+log = logging.getLogger("eagle3.shards")
+
+# The facts a consumer relies on; they must agree across shards and with what the consumer expects.
+CONTRACT_KEYS = ("aux_layer_ids", "hidden_size", "dtype")
+VERIFIER_KEYS = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: str  # shard folder
+    file: str  # part file name
+    index: int  # position inside the part file
+    sample_id: str
+    num_tokens: int
+
+
+@dataclass
+class ShardSet:
+    shards: list[Path]
+    meta: dict[str, Any]  # the first shard's meta (all agree on CONTRACT_KEYS and the verifier)
+    samples: list[SampleRef]
+
+    def contract(self) -> dict[str, Any]:
+        """What the next stage records and later checks: verifier identity + layout of the states."""
+        return {"verifier": {k: self.meta["verifier"][k] for k in ("path", *VERIFIER_KEYS)},
+                **{k: self.meta[k] for k in CONTRACT_KEYS}}
+
+
+def find_shard_dirs(data_dirs: list[str]) -> list[Path]:
+    """Each path is a shard (has meta.json or run.json) or a root holding rows_* shards."""
+    if not data_dirs:
+        raise UserError("--data-dir is required: one or more hidden-state shard folders")
+    out: list[Path] = []
+    for d in data_dirs:
+        p = Path(d)
+        if not p.is_dir():
+            raise UserError(f"{p}: not a folder (--data-dir)")
+        if (p / storage.META_NAME).exists() or (p / "run.json").exists() or p.name.startswith("rows_"):
+            out.append(p)
+        else:
+            found = sorted(q for q in p.iterdir() if q.is_dir() and q.name.startswith("rows_"))
+            if not found:
+                raise UserError(f"{p}: no rows_* shard folders inside (--data-dir)")
+            out.extend(found)
+    return out
+
+
+def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, verify: bool = True) -> ShardSet:
+    shards = find_shard_dirs(data_dirs)
+    metas = [_check_shard(s, verify) for s in shards]
+    first = metas[0]
+    for s, m in zip(shards[1:], metas[1:]):
+        _check_same(s, m, first, f"the first shard {shards[0]}")
+    if expect is not None:
+        _check_expected(shards[0], first, expect)
+    samples: list[SampleRef] = []
+    seen: dict[str, Path] = {}
+    for s in shards:
+        manifest = storage.read_json(s / "manifest.json")
+        for f in manifest["files"]:
+            for i, smp in enumerate(f["samples"]):
+                if smp["id"] in seen:
+                    raise UserError(f"{s}: sample id {smp['id']!r} also in {seen[smp['id']]}; shards overlap "
+                                    "(same rows extracted twice?)")
+                seen[smp["id"]] = s
+                samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"]))
+    if not samples:
+        raise UserError(f"{', '.join(map(str, shards))}: no samples (every row was rejected?)")
+    return ShardSet(shards, first, samples)
+
+
+def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
+    if not storage.is_complete(shard):
+        raise UserError(f"{shard}: shard is not complete (extraction still running or interrupted); "
+                        "rerun the same 01_extract_hidden_states.py command to finish it")
+    meta = storage.read_json(shard / storage.META_NAME)
+    if meta.get("format") != SHARD_FORMAT:
+        raise UserError(f"{shard / storage.META_NAME}: format {meta.get('format')!r}, expected {SHARD_FORMAT}")
+    manifest_path = shard / "manifest.json"
+    if storage.sha256_file(manifest_path) != meta["manifest_sha256"]:
+        raise UserError(f"{manifest_path}: checksum mismatch with meta.json; the shard is corrupt, "
+                        "re-extract it with --overwrite")
+    if verify:
+        files = storage.read_json(manifest_path)["files"]
+        for f in progress(files, desc=f"verify {shard.name}", unit="file"):
+            path = shard / f["file"]
+            if not path.is_file():
+                raise UserError(f"{path}: missing; re-extract the shard with --overwrite")
+            if path.stat().st_size != f["bytes"]:
+                raise UserError(f"{path}: {path.stat().st_size} bytes, manifest says {f['bytes']} (truncated?); "
+                                "re-extract the shard with --overwrite")
+            if storage.sha256_file(path) != f["sha256"]:
+                raise UserError(f"{path}: sha256 mismatch with manifest.json (corrupt file); "
+                                "re-extract the shard with --overwrite")
+    return meta
+
+
+def _check_same(shard: Path, meta: dict[str, Any], ref: dict[str, Any], ref_name: str) -> None:
+    for key in CONTRACT_KEYS:
+        if meta[key] != ref[key]:
+            raise UserError(f"{shard / storage.META_NAME}: {key} {meta[key]} differs from {ref[key]} in "
+                            f"{ref_name}; shards of one run must share verifier, layer ids, hidden size, dtype")
+    for key in VERIFIER_KEYS:
+        if meta["verifier"][key] != ref["verifier"][key]:
+            raise UserError(f"{shard / storage.META_NAME}: verifier {key} {meta['verifier'][key]} differs from "
+                            f"{ref['verifier'][key]} in {ref_name}; the shard comes from another verifier")
+
+
+def _check_expected(shard: Path, meta: dict[str, Any], expect: dict[str, Any]) -> None:
+    for key in CONTRACT_KEYS:
+        if key in expect and meta[key] != expect[key]:
+            raise UserError(f"{shard / storage.META_NAME}: {key} {meta[key]}, but this stage expects "
+                            f"{expect[key]} (from {expect.get('_source', 'its inputs')})")
+    for key in VERIFIER_KEYS:
+        want = expect.get("verifier", {}).get(key)
+        if want is not None and meta["verifier"][key] != want:
+            raise UserError(f"{shard / storage.META_NAME}: verifier {key} {meta['verifier'][key]}, but this "
+                            f"stage expects {want} (from {expect.get('_source', 'its inputs')}); the shard "
+                            "comes from another verifier")
+
+
+def load_sample(ref: SampleRef, keys: tuple[str, ...] = ("input_ids", "loss_mask", "aux_hidden_states",
+                                                         "last_hidden_state")) -> dict[str, torch.Tensor]:
+    """One sample's tensors, read by slicing the part file (never the whole file)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(ref.shard) / ref.file), "pt") as f:
+        offsets = f.get_tensor("offsets")
+        a, b = int(offsets[ref.index]), int(offsets[ref.index + 1])
+        return {k: f.get_slice(k)[a:b] for k in keys}
+
+
+def iter_part_tokens(shards: list[Path]) -> Any:
+    """(input_ids, loss_mask) of whole part files, for token statistics."""
+    from safetensors import safe_open
+
+    for s in shards:
+        for f in storage.read_json(s / "manifest.json")["files"]:
+            with safe_open(str(s / f["file"]), "pt") as st:
+                yield st.get_tensor("input_ids"), st.get_tensor("loss_mask")

@@ -1,0 +1,249 @@
+"""Run greedy decoding in vLLM, optionally with an EAGLE-3 draft, and report acceptance counters.
+
+Standalone: run with the vLLM virtualenv's interpreter, never imported by the pipeline.
+It imports only the standard library and vllm, because the pipeline's own dependencies
+are not installed in that environment.
+
+    <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --request REQ.json --out OUT.json
+
+REQ.json:
+    {"verifier": dir, "draft": dir or null, "prompts": [[token ids], ...],
+     "max_new_tokens": int, "num_speculative_tokens": int, "dtype": "float32"}
+Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens + k + 1)),
+"seed" (default 0), "trust_remote_code" (default false), "tensor_parallel_size" (default 1),
+"enforce_eager" (default true: no torch.compile, the fastest start-up on CPU).
+
+OUT.json (written atomically):
+    {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
+     "num_accepted_tokens", "accepted_per_pos", "acceptance_rate_per_pos",
+     "mean_acceptance_length", "vllm_version", "startup_s", "generate_s"}
+Counters are the increase of vLLM's spec-decode metrics over the generate call. Without a draft
+(or when no draft was proposed) the counters are 0, the per-position lists are all zeros/empty
+and mean_acceptance_length is null.
+
+On error: exit status 1 and a single line "vllm_worker: error: ..." as the last line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+# vLLM reads these at import time; set them before importing it.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_MAX_MODEL_LEN = 512
+
+METRIC_DRAFTS = "vllm:spec_decode_num_drafts"
+METRIC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+METRIC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+METRIC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+class RequestError(ValueError):
+    """The request file is malformed."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def load_request(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            req = json.load(f)
+    except OSError as e:
+        raise RequestError(f"cannot read request {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(f"request {path} is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise RequestError("request must be a JSON object")
+    for key in ("verifier", "prompts", "max_new_tokens"):
+        if key not in req:
+            raise RequestError(f"request lacks required key {key!r}")
+    if not isinstance(req["verifier"], str) or not os.path.isdir(req["verifier"]):
+        raise RequestError(f"verifier is not a directory: {req['verifier']!r}")
+    draft = req.get("draft")
+    if draft is not None and (not isinstance(draft, str) or not os.path.isdir(draft)):
+        raise RequestError(f"draft is neither null nor a directory: {draft!r}")
+    prompts = req["prompts"]
+    if not isinstance(prompts, list) or not prompts:
+        raise RequestError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not p or not all(_is_int(t) and t >= 0 for t in p):
+            raise RequestError(f"prompts[{i}] must be a non-empty list of non-negative ints")
+    if not _is_int(req["max_new_tokens"]) or req["max_new_tokens"] < 1:
+        raise RequestError("max_new_tokens must be a positive int")
+    k = req.get("num_speculative_tokens", 0 if draft is None else None)
+    if draft is not None and (not _is_int(k) or k < 1):
+        raise RequestError("num_speculative_tokens must be a positive int when a draft is given")
+    req["num_speculative_tokens"] = k if _is_int(k) else 0
+    req.setdefault("dtype", "float32")
+    if not isinstance(req["dtype"], str):
+        raise RequestError("dtype must be a string such as 'float32'")
+    for key in ("max_model_len", "seed", "tensor_parallel_size"):
+        if key in req and req[key] is not None and not _is_int(req[key]):
+            raise RequestError(f"{key} must be an int")
+    for key in ("trust_remote_code", "enforce_eager"):
+        if key in req and not isinstance(req[key], bool):
+            raise RequestError(f"{key} must be true or false")
+    return req
+
+
+def snapshot_counters(llm) -> dict:
+    """Sum the spec-decode counters over all label sets (one per engine)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out = {METRIC_DRAFTS: 0, METRIC_DRAFT_TOKENS: 0, METRIC_ACCEPTED: 0, METRIC_ACCEPTED_PER_POS: []}
+    for m in llm.get_metrics():
+        if m.name in (METRIC_DRAFTS, METRIC_DRAFT_TOKENS, METRIC_ACCEPTED) and isinstance(m, Counter):
+            out[m.name] += int(m.value)
+        elif m.name == METRIC_ACCEPTED_PER_POS and isinstance(m, Vector):
+            acc = out[m.name]
+            for i, v in enumerate(m.values):
+                if i < len(acc):
+                    acc[i] += int(v)
+                else:
+                    acc.append(int(v))
+    return out
+
+
+def counter_delta(before: dict, after: dict, k: int) -> dict:
+    """Counters accumulated between two snapshots, plus the derived rates."""
+    n = max(k, len(before[METRIC_ACCEPTED_PER_POS]), len(after[METRIC_ACCEPTED_PER_POS]))
+
+    def padded(v):
+        return list(v) + [0] * (n - len(v))
+
+    per_pos = [
+        x - y
+        for x, y in zip(padded(after[METRIC_ACCEPTED_PER_POS]), padded(before[METRIC_ACCEPTED_PER_POS]))
+    ]
+    num_drafts = after[METRIC_DRAFTS] - before[METRIC_DRAFTS]
+    num_accepted = after[METRIC_ACCEPTED] - before[METRIC_ACCEPTED]
+    return {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": after[METRIC_DRAFT_TOKENS] - before[METRIC_DRAFT_TOKENS],
+        "num_accepted_tokens": num_accepted,
+        "accepted_per_pos": per_pos,
+        "acceptance_rate_per_pos": [c / num_drafts for c in per_pos] if num_drafts else [0.0] * n,
+        "mean_acceptance_length": (1.0 + num_accepted / num_drafts) if num_drafts else None,
+    }
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    path = os.path.abspath(path)
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".vllm_worker.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def run(req: dict) -> dict:
+    import logging
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # Without a tokenizer vLLM logs a traceback for its chat-template warm-up and an "EOS token
+    # id is None" warning; neither matters for token-id prompts with ignore_eos.
+    logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
+
+    prompts = req["prompts"]
+    n_new = req["max_new_tokens"]
+    k = req["num_speculative_tokens"]
+    draft = req.get("draft")
+    needed = max(len(p) for p in prompts) + n_new + k + 1
+    max_model_len = req.get("max_model_len") or max(DEFAULT_MAX_MODEL_LEN, needed)
+    seed = req.get("seed")
+    seed = 0 if seed is None else seed
+
+    kwargs = dict(
+        model=req["verifier"],
+        dtype=req["dtype"],
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=req.get("enforce_eager", True),  # True: no torch.compile, fastest CPU start
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        disable_log_stats=False,  # required for llm.get_metrics()
+        tensor_parallel_size=req.get("tensor_parallel_size") or 1,
+        trust_remote_code=req.get("trust_remote_code", False),
+    )
+    if draft is not None:
+        kwargs["speculative_config"] = {
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": k,
+        }
+
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup_s = time.perf_counter() - t0
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=n_new,
+        ignore_eos=True,
+        detokenize=False,
+        seed=seed,
+    )
+    before = snapshot_counters(llm)
+    t0 = time.perf_counter()
+    results = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+    )
+    generate_s = time.perf_counter() - t0
+    after = snapshot_counters(llm)
+
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    out = {"outputs": outputs}
+    out.update(counter_delta(before, after, k))
+    out.update(
+        {
+            "vllm_version": vllm.__version__,
+            "startup_s": round(startup_s, 3),
+            "generate_s": round(generate_s, 3),
+        }
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--request", required=True, help="request JSON file")
+    ap.add_argument("--out", required=True, help="output JSON file (written atomically)")
+    args = ap.parse_args(argv)
+    try:
+        req = load_request(args.request)
+        result = run(req)
+        write_json_atomic(args.out, result)
+    except KeyboardInterrupt:
+        print("vllm_worker: error: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # one clear line, whatever vLLM raised
+        msg = " ".join(f"{type(e).__name__}: {e}".split())
+        print(f"vllm_worker: error: {msg}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
