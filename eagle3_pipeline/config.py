@@ -114,7 +114,8 @@ class TrainConfig:
 @dataclass
 class ExportConfig:
     train_dir: str | None = _req("Training run folder (the --out-dir of 04_train.py).")
-    checkpoint: str = _f("best", "best, latest, or a checkpoint folder name such as step_000400.")
+    checkpoint: str = _f("best", "best, latest, a checkpoint folder name such as step_000400, or init (the "
+                         "untrained draft as training initialised it: a baseline).")
     out_dir: str | None = _req("Export folder: config.json + model.safetensors for vLLM.")
     gate_samples: int = _f(4, "Stored samples on which the read-back export must reproduce the trained "
                            "draft's logits.")

@@ -207,12 +207,16 @@ def readback_problems(export_dir: Path, model: Any, embed: torch.Tensor, samples
     return p, stats
 
 
-def load_trained(train_dir: Path, which: str) -> tuple[Path, dict[str, Any], Any, dict[str, torch.Tensor],
+def load_trained(train_dir: Path, which: str) -> tuple[Path | None, dict[str, Any], Any, dict[str, torch.Tensor],
                                                        torch.Tensor, torch.Tensor]:
-    """(checkpoint, train meta, model with weights, verifier tensors, d2t, t2d)."""
+    """(checkpoint, train meta, model with weights, verifier tensors, d2t, t2d).
+
+    `which` = "init" gives the draft as training initialised it (same seed): the untrained baseline.
+    """
     meta = storage.read_json(train_dir / storage.META_NAME)
-    ckpt = checkpoint.resolve(train_dir / "checkpoints", which)
+    ckpt = None if which == "init" else checkpoint.resolve(train_dir / "checkpoints", which)
     spec = DraftSpec.from_json(meta["draft"])
+    torch.manual_seed(meta["config"]["seed"])
     vocab_meta, d2t, t2d = load_mapping(Path(meta["vocab_mapping_dir"]))
     if vocab_meta["mapping_sha256"] != meta["vocab_mapping_sha256"]:
         raise UserError(f"{meta['vocab_mapping_dir']}: vocab mapping changed since training (sha256 differs)")
@@ -220,11 +224,12 @@ def load_trained(train_dir: Path, which: str) -> tuple[Path, dict[str, Any], Any
     vt = load_verifier_tensors(Path(meta["verifier_path"]), meta["source"]["verifier"].get("tie_word_embeddings",
                                                                                             False))
     attach_verifier_tensors(model, vt, t2d, d2t)
-    weights, _, _ = checkpoint.load(ckpt, with_state=False)
-    missing = set(weights) - set(dict(model.named_parameters()))
-    if missing:
-        raise UserError(f"{ckpt}: unknown tensors {sorted(missing)}")
-    model.load_state_dict(weights, strict=False)
+    if ckpt is not None:
+        weights, _, _ = checkpoint.load(ckpt, with_state=False)
+        unknown = set(weights) - set(dict(model.named_parameters()))
+        if unknown:
+            raise UserError(f"{ckpt}: unknown tensors {sorted(unknown)}")
+        model.load_state_dict(weights, strict=False)
     model.eval()
     return ckpt, meta, model, vt, d2t, t2d
 
@@ -276,16 +281,17 @@ def run(cfg: ExportConfig) -> int:
     tensors = flat_weights(dict(model.named_parameters()), d2t, t2d, spec)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     stats = gate(tmp, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, cfg.gate_samples))
-    info = json.loads((ckpt / "checkpoint.json").read_text())
+    info = {"step": 0} if ckpt is None else json.loads((ckpt / "checkpoint.json").read_text())
+    ckpt_name = "init" if ckpt is None else ckpt.name
     storage.write_json_atomic(tmp / EXPORT_META, {
-        "stage": "05_export", "train_dir": str(Path(cfg.train_dir).resolve()), "checkpoint": ckpt.name,
+        "stage": "05_export", "train_dir": str(Path(cfg.train_dir).resolve()), "checkpoint": ckpt_name,
         "step": info["step"], "val": info.get("val"), "draft": meta["draft"], "verifier_path": meta["verifier_path"],
         "vocab_mapping_sha256": meta["vocab_mapping_sha256"], "readback": stats,
         "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE), "config": config_to_dict(cfg),
         "versions": storage.versions()})
     storage.publish_dir(tmp, out_dir)  # the old export is replaced only now, after the gate passed
     log.info("done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
-             out_dir, ckpt.name, info["step"], stats["top1_agreement"], stats["normalised_error"],
+             out_dir, ckpt_name, info["step"], stats["top1_agreement"], stats["normalised_error"],
              stats["positions"])
     print(serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens))
     return 0

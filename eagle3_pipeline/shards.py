@@ -24,6 +24,7 @@ log = logging.getLogger("eagle3.shards")
 # The facts a consumer relies on; they must agree across shards and with what the consumer expects.
 CONTRACT_KEYS = ("aux_layer_ids", "hidden_size", "dtype")
 VERIFIER_KEYS = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size")
+REQUIRED_META_KEYS = ("verifier", *CONTRACT_KEYS, "manifest_sha256", "num_samples")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
     meta = storage.read_json(shard / storage.META_NAME)
     if meta.get("format") != SHARD_FORMAT:
         raise UserError(f"{shard / storage.META_NAME}: format {meta.get('format')!r}, expected {SHARD_FORMAT}")
+    missing = [k for k in REQUIRED_META_KEYS if k not in meta]
+    missing += [f"verifier.{k}" for k in ("path", *VERIFIER_KEYS, "rms_norm_eps") if k not in meta.get("verifier", {})]
+    if missing:
+        raise UserError(f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
+                        "the shard with this version of 01_extract_hidden_states.py)")
     manifest_path = shard / "manifest.json"
     if storage.sha256_file(manifest_path) != meta["manifest_sha256"]:
         raise UserError(f"{manifest_path}: checksum mismatch with meta.json; the shard is corrupt, "

@@ -6,7 +6,7 @@ config.json, model.safetensors, a byte-level tokenizer with a Kimi-style chat te
 Random weights would make a verifier whose greedy output nobody can predict, so acceptance would mean
 nothing. Instead the residual stream is kept close to the token embedding (embeddings ~N(0, 1), every
 layer's output projection small) and lm_head row y is the sum of the embeddings of the tokens x with
-next(x) = y, for a fixed random `next` into printable ASCII. The verifier then mostly continues token x
+next(x) = y, for a fixed random `next` into printable ASCII (a permutation on it). The verifier then mostly continues token x
 with next(x), with its layers still changing the choice often enough that the aux states matter: learnable from hidden states, and an
 untrained draft gets almost nothing right.
 """
@@ -28,10 +28,11 @@ CHAT_TEMPLATE = (
 )
 TINY_VOCAB_SIZE = 320  # 256 byte tokens + 7 special tokens, padded like real vocabularies
 PRINTABLE_BYTES = range(32, 127)
-# Layer output projections x50: each layer then turns the residual stream by ~5% (cosine 0.95 between
-# adjacent layers) and greedy agrees with next(x) on ~85% of positions (measured on English text);
-# at x1 the layers change nothing and a shifted aux layer id would go unnoticed.
-LAYER_OUTPUT_SCALE = 50.0
+# Layer output projections are scaled up so the layers matter: each turns the residual stream by
+# 3-10% (cosine between hidden_states[2] and [3]: deepseek_v3 0.95, llama 0.92) and greedy agrees with
+# next(x) on 85-95% of positions (measured on English text). At x1 the layers change nothing and a
+# shifted aux layer id would go unnoticed; at llama x20 greedy output collapses into one repeated token.
+LAYER_OUTPUT_SCALE = {"deepseek_v3": 50.0, "llama": 10.0}
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -80,11 +81,15 @@ def tiny_config(arch: str) -> dict:
 
 
 def next_token_table(vocab_size: int, seed: int) -> list[int]:
+    """next(x): a random permutation of the printable bytes (so greedy text runs along long cycles instead
+    of collapsing into a fixed point), any other token to a random printable byte."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     printable = torch.tensor(list(PRINTABLE_BYTES))
-    return printable[torch.randint(len(printable), (vocab_size,), generator=g)].tolist()
+    table = printable[torch.randint(len(printable), (vocab_size,), generator=g)]
+    table[printable] = printable[torch.randperm(len(printable), generator=g)]
+    return table.tolist()
 
 
 def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool = False) -> Path:
@@ -105,7 +110,7 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
         emb.normal_(0.0, 1.0)
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(LAYER_OUTPUT_SCALE)
+                p.mul_(LAYER_OUTPUT_SCALE[arch])
         nxt = next_token_table(emb.shape[0], seed + 1)
         head = torch.zeros_like(emb)
         head.index_add_(0, torch.tensor(nxt), emb)
@@ -132,13 +137,75 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
     return out_dir
 
 
+def regenerate(verifier_dir: Path, data_path: Path, out_path: Path, max_new_tokens: int) -> None:
+    """Rewrite every assistant turn as the verifier's own greedy reply (in order, turn by turn).
+
+    Drafts are trained on what the verifier itself says (public EAGLE-3 drafts regenerate their data
+    with the verifier); on human text, a tiny verifier's predictions never visit the states its own
+    greedy output goes through, and a draft trained there predicts little of it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from eagle3_pipeline.conversations import normalize_messages, read_rows
+
+    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(verifier_dir), dtype=torch.float32).eval()
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+    lines = []
+    for raw in read_rows(data_path, 0, 10**12):
+        row_id, messages = normalize_messages(raw.value)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            text = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out = model.generate(ids, generation_config=gen)
+            m["content"] = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        lines.append(json.dumps({"id": row_id or f"row-{raw.index}", "messages": messages}))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("\n".join(lines) + "\n")
+
+
+def from_config(config_path: Path) -> None:
+    """What scripts/run_tiny.sh needs before stage 01: the [run] section's verifier (and data)."""
+    import tomllib
+
+    cfg = tomllib.loads(config_path.read_text())
+    run, extract = cfg["run"], cfg["extract"]
+    verifier = Path(extract["verifier_path"])
+    if not (verifier / "tokenizer.json").exists():
+        tmp = verifier.with_name(verifier.name + ".tmp")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        build_verifier(run["tiny_arch"], tmp)
+        tmp.rename(verifier)
+        print(f"tiny {run['tiny_arch']} verifier written to {verifier}")
+    data = Path(extract["data_path"])
+    if run.get("regenerate_from") and not data.exists():
+        tmp_data = data.with_name(data.name + ".tmp")
+        regenerate(verifier, Path(run["regenerate_from"]), tmp_data, run.get("regenerate_max_new_tokens", 160))
+        tmp_data.rename(data)
+        print(f"regenerated conversations written to {data}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from-config", metavar="TOML", help="build what the config's [run] section asks for")
     p.add_argument("--arch", choices=["deepseek_v3", "llama"], default="deepseek_v3")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="verifier folder to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nest-as-kimi", action="store_true")
     a = p.parse_args(argv)
+    if a.from_config:
+        from_config(Path(a.from_config))
+        return 0
+    if not a.out:
+        p.error("--out or --from-config is required")
     build_verifier(a.arch, Path(a.out), a.seed, a.nest_as_kimi)
     print(f"tiny {a.arch} verifier written to {a.out}")
     return 0

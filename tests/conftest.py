@@ -1,0 +1,82 @@
+"""Shared tiny fixtures: verifiers built locally, the shipped conversations, one smoke run of the pipeline.
+
+Everything runs on CPU without network; the pipeline fixture drives the real stage scripts in
+subprocesses on configs/tiny.toml (paths moved under a temp folder), as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "data"
+CONVERSATIONS = DATA / "conversations.jsonl"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    """A stage script (or module) in a subprocess, as a user runs it."""
+    cmd = [sys.executable, *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def script(name: str) -> str:
+    return str(REPO / name)
+
+
+def moved_config(src: Path, old_root: str, new_root: Path, out: Path, extra: str = "") -> Path:
+    """A copy of a config file with its run folder moved (and optional keys appended per section)."""
+    text = src.read_text().replace(f'"{old_root}/', f'"{new_root}/')
+    text = text.replace('"tests/data/', f'"{DATA}/')
+    out.write_text(text + extra)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier(tmp_path_factory) -> Path:
+    from eagle3_pipeline.tiny import build_verifier
+
+    return build_verifier("deepseek_v3", tmp_path_factory.mktemp("verifier") / "deepseek")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_verifier(tmp_path_factory) -> Path:
+    from eagle3_pipeline.tiny import build_verifier
+
+    return build_verifier("llama", tmp_path_factory.mktemp("verifier") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """scripts/run_tiny.sh on configs/tiny.toml, every stage, in a temp folder; returns that folder."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    cfg = moved_config(REPO / "configs" / "tiny.toml", "runs/tiny", root, root / "tiny.toml")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_tiny.sh"), str(cfg)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    (root / "run.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def shard_of(hidden_states_root: Path) -> Path:
+    shards = sorted(p for p in hidden_states_root.iterdir() if re.match(r"rows_\d+-\d+$", p.name))
+    assert len(shards) == 1, shards
+    return shards[0]

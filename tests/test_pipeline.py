@@ -1,0 +1,128 @@
+"""The smoke run of every stage, and what each stage's output must hold for the next one."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import CONVERSATIONS, read_jsonl, run_script, script, shard_of
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def test_smoke_training_loss_falls_and_val_acc_rises_above_untrained(tiny_run):
+    log = read_jsonl(tiny_run / "train" / "train_log.jsonl")
+    assert log[-1]["loss"] < 0.5 * log[0]["loss"], (log[0], log[-1])
+    best = json.loads((tiny_run / "train" / "checkpoints" / "best.json").read_text())
+    info = json.loads((tiny_run / "train" / "checkpoints" / best["checkpoint"] / "checkpoint.json").read_text())
+    untrained, val = info["history"]["untrained"], info["val"]
+    assert val["acc_0"] > untrained["acc_0"] + 0.2, (untrained, val)
+    assert val["acceptance_length"] > untrained["acceptance_length"]
+
+
+def test_captured_aux_states_are_hf_hidden_states(tiny_run):
+    """id i must be Hugging Face hidden_states[i] (vLLM's convention), the last state pre-final-norm."""
+    from transformers import AutoModelForCausalLM
+
+    shard = shard_of(tiny_run / "hidden_states")
+    meta = json.loads((shard / "meta.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_run / "verifier"), dtype=torch.float32).eval()
+    with safe_open(str(shard / "part-00000.safetensors"), "pt") as f:
+        offsets = f.get_tensor("offsets")
+        a, b = int(offsets[0]), int(offsets[1])
+        ids = f.get_tensor("input_ids")[a:b].long()
+        aux = f.get_tensor("aux_hidden_states")[a:b]
+        last = f.get_tensor("last_hidden_state")[a:b]
+    with torch.no_grad():
+        out = model(input_ids=ids[None], output_hidden_states=True)
+    for n, layer_id in enumerate(meta["aux_layer_ids"]):
+        torch.testing.assert_close(aux[:, n], out.hidden_states[layer_id][0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(aux[:, 0], out.hidden_states[meta["aux_layer_ids"][0] + 1][0], atol=1e-3)
+    logits = model.lm_head(model.model.norm(last[None]))
+    torch.testing.assert_close(logits, out.logits, rtol=1e-4, atol=1e-3)
+
+
+def test_stage_outputs_carry_what_the_next_stage_reads(tiny_run):
+    shard = shard_of(tiny_run / "hidden_states")
+    meta = json.loads((shard / "meta.json").read_text())
+    for key in ("verifier", "aux_layer_ids", "hidden_size", "dtype", "num_samples", "num_rejected", "num_tokens",
+                "manifest_sha256", "versions", "config"):
+        assert key in meta, key
+    assert meta["aux_layer_ids"] == [2, 4, 5]  # (2, N//2, N-3) for the 8-layer tiny verifier
+    manifest = json.loads((shard / "manifest.json").read_text())
+    assert sum(len(f["samples"]) for f in manifest["files"]) == meta["num_samples"] == 10
+    for f in manifest["files"]:
+        assert {"file", "sha256", "bytes", "samples"} <= set(f)
+        assert all({"id", "row", "num_tokens", "num_loss_tokens"} <= set(s) for s in f["samples"])
+    vocab = json.loads((tiny_run / "vocab" / "meta.json").read_text())
+    assert vocab["source"]["aux_layer_ids"] == meta["aux_layer_ids"] and 0 < vocab["coverage"] <= 1
+    train = json.loads((tiny_run / "train" / "meta.json").read_text())
+    assert train["draft"]["aux_layer_ids"] == meta["aux_layer_ids"]
+    assert train["draft"]["head_dim"] == 128 and train["vocab_mapping_sha256"] == vocab["mapping_sha256"]
+    export = json.loads((tiny_run / "draft" / "export_meta.json").read_text())
+    assert export["readback"]["top1_agreement"] >= 0.98
+    acceptance = json.loads((tiny_run / "draft" / "acceptance_sim.json").read_text())
+    assert acceptance["sim"]["num_drafts"] > 0
+
+
+def test_missing_meta_field_is_refused_naming_the_file(tiny_run, tmp_path):
+    import shutil
+
+    shard = tmp_path / "hs" / shard_of(tiny_run / "hidden_states").name
+    shutil.copytree(shard_of(tiny_run / "hidden_states"), shard)
+    meta = json.loads((shard / "meta.json").read_text())
+    del meta["aux_layer_ids"]
+    (shard / "meta.json").write_text(json.dumps(meta))
+    proc = run_script(script("02_build_vocab_mapping.py"), "--data-dir", str(shard), "--out-dir",
+                      str(tmp_path / "vocab"), "--draft-vocab-size", "64", check=False)
+    assert proc.returncode == 2
+    assert "meta.json" in proc.stderr and "aux_layer_ids" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_exported_files_follow_the_vllm_contract(tiny_run):
+    config = json.loads((tiny_run / "draft" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["head_dim"] == 128 != config["hidden_size"] // config["num_attention_heads"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert config["norm_before_residual"] is False and config["norm_before_fc"] is False
+    tensors = load_file(str(tiny_run / "draft" / "model.safetensors"))
+    assert not any(k.startswith("model.") or k.endswith(".bias") for k in tensors)
+    assert "embed_tokens.weight" not in tensors
+    assert tensors["d2t"].dtype == torch.int64 and tensors["midlayer.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * 128, 2 * 256)
+
+
+def test_stage_rerun_is_a_logged_skip(tiny_run):
+    cfg = str(tiny_run / "tiny.toml")
+    for stage in ("01_extract_hidden_states.py", "02_build_vocab_mapping.py", "03_split_data.py", "05_export.py"):
+        proc = run_script(script(stage), "--config", cfg)
+        assert "skip:" in proc.stderr, (stage, proc.stderr[-500:])
+
+
+def test_help_is_the_manual():
+    proc = run_script(script("04_train.py"), "--help")
+    assert "Examples:" in proc.stdout and "--head-dim" in proc.stdout and "torchrun" in proc.stdout
+
+
+def test_unknown_config_key_is_an_error_naming_it(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[vocab]\ndata_dir = ["x"]\nout_dir = "y"\ndraft_vocab_sise = 5\n')
+    proc = run_script(script("02_build_vocab_mapping.py"), "--config", str(cfg), check=False)
+    assert proc.returncode == 2 and "draft_vocab_sise" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_command_line_overrides_config_file(tmp_path):
+    import argparse
+
+    from eagle3_pipeline.config import TrainConfig, add_config_flags, resolve_config
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[train]\nvocab_mapping_dir = "v"\nout_dir = "o"\nlr = 0.5\nepochs = 7\n')
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, TrainConfig)
+    cfg = resolve_config(TrainConfig, parser.parse_args(["--config", str(cfg_file), "--lr", "0.25"]), "train")
+    assert cfg.lr == 0.25 and cfg.epochs == 7 and cfg.head_dim == 128
+
+
+def test_conversations_file_is_the_shipped_ten():
+    assert len(read_jsonl(CONVERSATIONS)) == 10

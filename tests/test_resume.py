@@ -1,0 +1,129 @@
+"""Nothing lost: SIGKILL mid-stage, rerun, same bytes; corrupt shards refused; training resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import DATA, REPO, run_script, script, shard_of
+
+
+def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()[-2000:]}"
+        assert time.time() < deadline, "timed out waiting to kill"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path):
+    args = [script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_verifier), "--data-path",
+            str(DATA / "conversations.jsonl"), "--out-dir", "hs", "--samples-per-file", "2"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_script(*args, cwd=tmp_path / "a")  # uninterrupted
+    proc = _popen(args, tmp_path / "b")
+    shard_b = tmp_path / "b" / "hs" / "rows_00000000-00000010"
+    _kill_when(proc, lambda: (shard_b / "part-00001.json").exists())
+    assert not (shard_b / "COMPLETE").exists()
+    rerun = run_script(*args, cwd=tmp_path / "b")
+    assert "3 to do" in rerun.stderr or "2 to do" in rerun.stderr, rerun.stderr[-1500:]
+    a, b = _tree_bytes(tmp_path / "a" / "hs"), _tree_bytes(tmp_path / "b" / "hs")
+    assert sorted(a) == sorted(b)
+    assert a == b
+
+
+def test_corrupt_byte_in_shard_is_refused_by_stages_02_to_04(tiny_run, tmp_path):
+    shard = tmp_path / "hs" / shard_of(tiny_run / "hidden_states").name
+    shutil.copytree(shard_of(tiny_run / "hidden_states"), shard)
+    part = shard / "part-00001.safetensors"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    part.write_bytes(bytes(data))
+    commands = {
+        "02": [script("02_build_vocab_mapping.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "v"),
+               "--draft-vocab-size", "64"],
+        "03": [script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s")],
+        "04": [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--data-dir", str(shard),
+               "--out-dir", str(tmp_path / "t"), "--max-steps", "1"],
+    }
+    for stage, cmd in commands.items():
+        proc = run_script(*cmd, check=False)
+        assert proc.returncode == 2, (stage, proc.stderr[-1500:])
+        assert str(part) in proc.stderr and "sha256" in proc.stderr, (stage, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr
+
+
+def test_truncated_part_file_is_refused_naming_it(tiny_run, tmp_path):
+    shard = tmp_path / "hs" / shard_of(tiny_run / "hidden_states").name
+    shutil.copytree(shard_of(tiny_run / "hidden_states"), shard)
+    part = shard / "part-00000.safetensors"
+    part.write_bytes(part.read_bytes()[:1000])
+    proc = run_script(script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s"),
+                      check=False)
+    assert proc.returncode == 2 and str(part) in proc.stderr and "truncated" in proc.stderr
+
+
+def _train_args(tiny_run: Path, out: Path) -> list[str]:
+    return [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir", str(out),
+            "--max-steps", "12", "--save-every", "4", "--eval-every", "4", "--log-every", "1", "--keep-last", "10",
+            "--val-max-samples", "1"]
+
+
+def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_run, tmp_path):
+    run_script(*_train_args(tiny_run, tmp_path / "straight"))
+    proc = _popen(_train_args(tiny_run, tmp_path / "killed"), REPO)
+    log = tmp_path / "killed" / "train_log.jsonl"
+
+    def past_first_checkpoint() -> bool:  # killed at step 5 or 6: after step_000004, before step_000008
+        if not (tmp_path / "killed" / "checkpoints" / "step_000004" / "COMPLETE").exists() or not log.exists():
+            return False
+        return any(json.loads(x)["step"] >= 5 for x in log.read_text().splitlines() if x.strip())
+
+    _kill_when(proc, past_first_checkpoint)
+    assert not (tmp_path / "killed" / "checkpoints" / "step_000012").exists()
+    resumed = run_script(*_train_args(tiny_run, tmp_path / "killed"))
+    assert "resumed from" in resumed.stderr and "step_000004" in resumed.stderr
+    final = "checkpoints/step_000012/model.safetensors"
+    assert (tmp_path / "straight" / final).read_bytes() == (tmp_path / "killed" / final).read_bytes()
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_130(tiny_run, tmp_path):
+    proc = _popen(_train_args(tiny_run, tmp_path / "t"), REPO)
+    log = tmp_path / "t" / "train_log.jsonl"
+    deadline = time.time() + 600
+    while not (log.exists() and log.read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 130
+    ckpts = sorted(p.name for p in (tmp_path / "t" / "checkpoints").iterdir() if (p / "COMPLETE").exists())
+    assert ckpts and "signal 15" in proc.stderr.read()
+
+
+def test_export_refused_leaves_the_good_export_in_place(tiny_run, tmp_path):
+    out = tmp_path / "draft"
+    shutil.copytree(tiny_run / "draft", out)
+    before = _tree_bytes(out)
+    proc = run_script(script("05_export.py"), "--train-dir", str(tiny_run / "train"), "--out-dir", str(out),
+                      "--overwrite", "--checkpoint", "step_999999", check=False)
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
+    assert _tree_bytes(out) == before
