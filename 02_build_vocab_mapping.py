@@ -10,7 +10,8 @@ Deterministic: ties in frequency go to the lower token id. A complete output is 
 
 Examples:
   python 02_build_vocab_mapping.py --config configs/kimi_k25.toml
-  python 02_build_vocab_mapping.py --data-dir runs/kimi/hidden_states --out-dir runs/kimi/vocab --draft-vocab-size 32000
+  python 02_build_vocab_mapping.py --data-dir runs/kimi/hidden_states --out-dir runs/kimi/vocab \
+      --draft-vocab-size 32000
   python 02_build_vocab_mapping.py --config configs/tiny.toml
 """
 

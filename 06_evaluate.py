@@ -14,7 +14,8 @@ Output:  acceptance_<engine>.json in the export folder (or --out-dir): counters 
 
 Examples:
   python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/mtbench.jsonl --num-prompts 80
-  python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/val.jsonl --engine vllm --vllm-python $(which python)
+  python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/val.jsonl --engine vllm \
+      --vllm-python $(which python)
   python 06_evaluate.py --config configs/tiny.toml --engine both
 """
 

@@ -40,14 +40,24 @@ class AcceptanceCounts:
 
     def summary(self) -> dict[str, Any]:
         d = max(self.num_drafts, 1)
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": self.accepted_per_pos,
-                "acceptance_rate_per_pos": [a / d for a in self.accepted_per_pos],
-                "mean_acceptance_length": 1.0 + self.num_accepted_tokens / d}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": self.accepted_per_pos,
+            "acceptance_rate_per_pos": [a / d for a in self.accepted_per_pos],
+            "mean_acceptance_length": 1.0 + self.num_accepted_tokens / d,
+        }
 
 
-def simulate_sequence(draft: ReferenceDraft, aux: torch.Tensor, seq: torch.Tensor, prompt_len: int, k: int,
-                      counts: AcceptanceCounts) -> None:
+def simulate_sequence(
+    draft: ReferenceDraft,
+    aux: torch.Tensor,
+    seq: torch.Tensor,
+    prompt_len: int,
+    k: int,
+    counts: AcceptanceCounts,
+) -> None:
     """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + greedy."""
     total = seq.numel()
     positions = torch.arange(total - 1)
@@ -55,7 +65,7 @@ def simulate_sequence(draft: ReferenceDraft, aux: torch.Tensor, seq: torch.Tenso
     n = prompt_len + 1  # the verifier's prefill emitted seq[prompt_len]
     while n < total:
         proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
-        g, c = out0[n - 2: n - 1], cache.truncate(n - 1)
+        g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
         for j in range(1, k):
             token = torch.tensor([proposals[-1]])
             g, lg, c = draft.step(g, token, torch.tensor([n - 2 + j]), c)
@@ -72,15 +82,17 @@ def simulate_sequence(draft: ReferenceDraft, aux: torch.Tensor, seq: torch.Tenso
         n += accepted + 1
 
 
-def verifier_greedy_with_aux(model: Any, capture: Any, num_layers: int, prompt: list[int], max_new_tokens: int
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def verifier_greedy_with_aux(
+    model: Any, capture: Any, num_layers: int, prompt: list[int], max_new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt + greedy continuation, aux states of every position of it) from the Hugging Face verifier."""
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
     # no eos: like vLLM's ignore_eos, an end token is emitted and generation goes on
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           use_cache=True)
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True
+    )
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=device), generation_config=gen)
         capture.states.clear()

@@ -30,8 +30,14 @@ def step_dir(root: Path, step: int) -> Path:
 def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-                  and not p.name.endswith(storage.TMP_SUFFIX) and storage.is_complete(p))
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith("step_")
+        and not p.name.endswith(storage.TMP_SUFFIX)
+        and storage.is_complete(p)
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,16 +54,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: Path, step: int, weights: dict[str, torch.Tensor], train_state: dict[str, Any],
-         info: dict[str, Any], keep_last: int) -> Path:
+def save(
+    root: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    train_state: dict[str, Any],
+    info: dict[str, Any],
+    keep_last: int,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + storage.TMP_SUFFIX)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    storage.save_safetensors_atomic({k: v.detach().cpu().contiguous() for k, v in weights.items()},
-                                    tmp / "model.safetensors")
+    storage.save_safetensors_atomic(
+        {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "model.safetensors"
+    )
     torch.save(train_state, tmp / "state.pt")
     storage.write_json_atomic(tmp / "checkpoint.json", {"step": step, **info})
     storage.publish_dir(tmp, final)
@@ -102,13 +115,15 @@ def resolve(root: Path, which: str) -> Path:
     else:
         p = root / which
     if p is None or not storage.is_complete(p):
-        raise UserError(f"{root}: no complete checkpoint {which!r} (have: "
-                        f"{[c.name for c in complete_checkpoints(root)]})")
+        raise UserError(
+            f"{root}: no complete checkpoint {which!r} (have: {[c.name for c in complete_checkpoints(root)]})"
+        )
     return p
 
 
-def load(ckpt: Path, with_state: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None,
-                                                        dict[str, Any]]:
+def load(
+    ckpt: Path, with_state: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dict[str, Any]]:
     from safetensors.torch import load_file
 
     weights = load_file(str(ckpt / "model.safetensors"))

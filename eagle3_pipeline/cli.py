@@ -43,9 +43,13 @@ def build_parser(doc: str | None, section: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run_stage(doc: str | None, section: str, argv: list[str] | None,
-              body: Callable[[Any], int | None],
-              extra_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+def run_stage(
+    doc: str | None,
+    section: str,
+    argv: list[str] | None,
+    body: Callable[[Any], int | None],
+    extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
     """Parse, resolve the config, run `body(cfg)`; a UserError is one line and exit status 2."""
     parser = build_parser(doc, section)
     if extra_args is not None:

@@ -34,22 +34,32 @@ def _req(help: str, **kw: Any) -> Any:
 @dataclass
 class ExtractConfig:
     verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
-    data_path: str | None = _req("Conversations: a .jsonl/.json file (ShareGPT `conversations` or "
-                               "OpenAI `messages` rows) or a `datasets` dataset saved with save_to_disk.")
+    data_path: str | None = _req(
+        "Conversations: a .jsonl/.json file (ShareGPT `conversations` or "
+        "OpenAI `messages` rows) or a `datasets` dataset saved with save_to_disk."
+    )
     data_split: str = _f("train", "Split to read when --data-path is a saved DatasetDict.")
-    out_dir: str | None = _req("Root folder of the hidden-state shards; each run writes one "
-                             "`rows_<start>-<end>/` shard inside it.")
+    out_dir: str | None = _req(
+        "Root folder of the hidden-state shards; each run writes one `rows_<start>-<end>/` shard inside it."
+    )
     start_row: int = _f(0, "First input row of this shard (inclusive).")
     end_row: int | None = _f(None, "Row after the last one of this shard (exclusive); default: end of data.")
-    aux_layer_ids: list[int] | None = _f(None, "Aux layer ids in vLLM's convention (id i = Hugging Face "
-                                         "hidden_states[i], the residual stream entering layer i); "
-                                         "default (2, N//2, N-3), [2, 30, 58] for Kimi-K2.5.")
+    aux_layer_ids: list[int] | None = _f(
+        None,
+        "Aux layer ids in vLLM's convention (id i = Hugging Face "
+        "hidden_states[i], the residual stream entering layer i); "
+        "default (2, N//2, N-3), [2, 30, 58] for Kimi-K2.5.",
+    )
     max_seq_len: int = _f(4096, "Rows whose templated conversation is longer are rejected (rejects.jsonl).")
     samples_per_file: int = _f(64, "Samples per safetensors part file (the unit of resume).")
-    dtype: str = _f("auto", "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), "
-                    "bfloat16, float32.")
-    trust_remote_code: bool = _f(False, "Allow the verifier's own modelling code (a Kimi-K2.5 checkpoint "
-                                 "loads natively with transformers>=5.19; set only if needed).")
+    dtype: str = _f(
+        "auto", "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."
+    )
+    trust_remote_code: bool = _f(
+        False,
+        "Allow the verifier's own modelling code (a Kimi-K2.5 checkpoint "
+        "loads natively with transformers>=5.19; set only if needed).",
+    )
     overwrite: bool = _f(False, "Redo a shard that is already complete.")
 
 
@@ -72,13 +82,17 @@ class SplitConfig:
 
 @dataclass
 class TrainConfig:
-    verifier_path: str | None = _f(None, "Verifier checkpoint (for embed_tokens, final norm, lm_head only); "
-                                   "default: the one recorded in the shards' meta.json.")
+    verifier_path: str | None = _f(
+        None,
+        "Verifier checkpoint (for embed_tokens, final norm, lm_head only); "
+        "default: the one recorded in the shards' meta.json.",
+    )
     data_dir: list[str] = _f([], "Hidden-state shard folders (rows_*/) or roots holding them.")
     split_dir: str | None = _f(None, "Output of 03_split_data.py; default: split here with --val-ratio.")
     vocab_mapping_dir: str | None = _req("Output of 02_build_vocab_mapping.py.")
-    out_dir: str | None = _req("Training run folder: checkpoints/, train_log.jsonl, meta.json.",
-                             aliases=["--output-dir"])
+    out_dir: str | None = _req(
+        "Training run folder: checkpoints/, train_log.jsonl, meta.json.", aliases=["--output-dir"]
+    )
     epochs: int = _f(1, "Passes over the training split.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (overrides --epochs if smaller).")
     lr: float = _f(1e-4, "Peak AdamW learning rate.")
@@ -114,11 +128,15 @@ class TrainConfig:
 @dataclass
 class ExportConfig:
     train_dir: str | None = _req("Training run folder (the --out-dir of 04_train.py).")
-    checkpoint: str = _f("best", "best, latest, a checkpoint folder name such as step_000400, or init (the "
-                         "untrained draft as training initialised it: a baseline).")
+    checkpoint: str = _f(
+        "best",
+        "best, latest, a checkpoint folder name such as step_000400, or init (the "
+        "untrained draft as training initialised it: a baseline).",
+    )
     out_dir: str | None = _req("Export folder: config.json + model.safetensors for vLLM.")
-    gate_samples: int = _f(4, "Stored samples on which the read-back export must reproduce the trained "
-                           "draft's logits.")
+    gate_samples: int = _f(
+        4, "Stored samples on which the read-back export must reproduce the trained draft's logits."
+    )
     num_speculative_tokens: int = _f(3, "k in the printed vllm serve line.")
     overwrite: bool = _f(False, "Replace an existing good export (only after the new one passes the gate).")
 
@@ -127,8 +145,10 @@ class ExportConfig:
 class EvaluateConfig:
     verifier_path: str | None = _f(None, "Verifier checkpoint; default: the one recorded by the export.")
     draft_dir: str | None = _req("An export folder from 05_export.py.")
-    data_path: str | None = _req("Conversations (same formats as stage 01); each prompt is a "
-                               "conversation up to its first assistant turn.")
+    data_path: str | None = _req(
+        "Conversations (same formats as stage 01); each prompt is a "
+        "conversation up to its first assistant turn."
+    )
     start_row: int = _f(0, "First row used for prompts.")
     num_prompts: int = _f(8, "Prompts evaluated.")
     max_new_tokens: int = _f(64, "Tokens generated per prompt.")
@@ -138,8 +158,14 @@ class EvaluateConfig:
     out_dir: str | None = _f(None, "Where to write acceptance.json (default: the draft folder).")
 
 
-STAGE_CONFIGS = {"extract": ExtractConfig, "vocab": VocabConfig, "split": SplitConfig, "train": TrainConfig,
-                 "export": ExportConfig, "evaluate": EvaluateConfig}
+STAGE_CONFIGS = {
+    "extract": ExtractConfig,
+    "vocab": VocabConfig,
+    "split": SplitConfig,
+    "train": TrainConfig,
+    "export": ExportConfig,
+    "evaluate": EvaluateConfig,
+}
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:
@@ -162,8 +188,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         shown = "required" if f.metadata.get("required") else f"default: {default}"
         help_text = f"{f.metadata['help']} ({shown})"
         if tp is bool:
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         elif typing.get_origin(tp) is list:
             item = typing.get_args(tp)[0]
             parser.add_argument(*flags, dest=f.name, nargs="+", type=item, default=None, help=help_text)
@@ -184,8 +211,9 @@ def load_config_file(path: str | None, section: str) -> dict[str, Any]:
         raise UserError(f"{p}: not valid TOML ({e})") from None
     unknown_sections = set(data) - set(STAGE_CONFIGS) - {"run"}
     if unknown_sections:
-        raise UserError(f"{p}: unknown section(s) {sorted(unknown_sections)}; "
-                        f"known: {sorted(STAGE_CONFIGS)} and [run]")
+        raise UserError(
+            f"{p}: unknown section(s) {sorted(unknown_sections)}; known: {sorted(STAGE_CONFIGS)} and [run]"
+        )
     return dict(data.get(section, {}))
 
 
@@ -195,8 +223,9 @@ def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(from_file) - names)
     if unknown:
-        raise UserError(f"{args.config}: unknown key(s) {unknown} in [{section}]; "
-                        f"known keys: {sorted(names)}")
+        raise UserError(
+            f"{args.config}: unknown key(s) {unknown} in [{section}]; known keys: {sorted(names)}"
+        )
     values = dict(from_file)
     for name in names:
         cli_value = getattr(args, name, None)
@@ -212,8 +241,9 @@ def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
         tp, optional = _base_type(hints[f.name])
         if value is None:
             if f.metadata.get("required"):
-                raise UserError(f"--{f.name.replace('_', '-')} is required (or `{f.name}` in [{section}] "
-                                "of --config)")
+                raise UserError(
+                    f"--{f.name.replace('_', '-')} is required (or `{f.name}` in [{section}] of --config)"
+                )
             continue
         _check_type(section, f.name, value, tp)
     return cfg
@@ -223,8 +253,10 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
     ok: bool
     if typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
-        ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) or
-                                             (item is str and isinstance(v, str)) for v in value)
+        ok = isinstance(value, list) and all(
+            isinstance(v, item) and not isinstance(v, bool) or (item is str and isinstance(v, str))
+            for v in value
+        )
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif tp is int:

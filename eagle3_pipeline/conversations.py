@@ -17,8 +17,16 @@ from typing import Any
 
 from eagle3_pipeline.errors import UserError
 
-ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "chatgpt": "assistant", "bot": "assistant", "model": "assistant", "system": "system"}
+ROLE_ALIASES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 class RowRejected(Exception):
@@ -88,8 +96,9 @@ def _load_json_list(path: Path) -> list[Any]:
     try:
         rows = json.loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not a valid UTF-8 JSON file ({e}); use .jsonl to have bad rows "
-                        "rejected one by one") from None
+        raise UserError(
+            f"{path}: not a valid UTF-8 JSON file ({e}); use .jsonl to have bad rows rejected one by one"
+        ) from None
     if not isinstance(rows, list):
         raise UserError(f"{path}: expected a JSON list of conversation rows")
     return rows
@@ -134,8 +143,10 @@ def normalize_messages(row: Any) -> tuple[str | None, list[dict[str, str]]]:
         if role.lower() not in ROLE_ALIASES:
             raise RowRejected(f"turn {n} has unknown role {role!r} (known: {sorted(ROLE_ALIASES)})")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
                 raise RowRejected(f"turn {n} has non-text content parts")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -149,12 +160,15 @@ def normalize_messages(row: Any) -> tuple[str | None, list[dict[str, str]]]:
 
 
 def _render_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_seq_len: int
-                          ) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict[str, str]], max_seq_len: int
+) -> tuple[list[int], list[int]]:
     """Template the conversation; mask = 1 on the tokens of every assistant turn (its end token too)."""
     try:
         ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
@@ -169,8 +183,10 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_se
         before = _render_ids(tokenizer, messages[:i], add_generation_prompt=True)
         through = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if through[: len(before)] != before or ids[: len(through)] != through:
-            raise RowRejected(f"chat template is not prefix-stable at turn {i} (it re-renders earlier "
-                              "turns), so assistant tokens cannot be located")
+            raise RowRejected(
+                f"chat template is not prefix-stable at turn {i} (it re-renders earlier "
+                "turns), so assistant tokens cannot be located"
+            )
         for t in range(len(before), len(through)):
             mask[t] = 1
     if not any(mask):

@@ -45,8 +45,10 @@ class DraftSpec:
 
 def check_spec(spec: DraftSpec) -> None:
     if spec.num_attention_heads % spec.num_key_value_heads:
-        raise UserError(f"num_attention_heads {spec.num_attention_heads} must be a multiple of "
-                        f"num_key_value_heads {spec.num_key_value_heads}")
+        raise UserError(
+            f"num_attention_heads {spec.num_attention_heads} must be a multiple of "
+            f"num_key_value_heads {spec.num_key_value_heads}"
+        )
     if spec.head_dim % 2:
         raise UserError(f"head_dim {spec.head_dim} must be even (RoPE rotates pairs)")
 
@@ -54,13 +56,22 @@ def check_spec(spec: DraftSpec) -> None:
 def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                      num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                      intermediate_size=spec.intermediate_size, num_hidden_layers=1,
-                      vocab_size=spec.vocab_size, rms_norm_eps=spec.rms_norm_eps,
-                      max_position_embeddings=spec.max_position_embeddings, hidden_act=spec.hidden_act,
-                      attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+    cfg = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=1,
+        vocab_size=spec.vocab_size,
+        rms_norm_eps=spec.rms_norm_eps,
+        max_position_embeddings=spec.max_position_embeddings,
+        hidden_act=spec.hidden_act,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+    )
     cfg._attn_implementation = attn_impl
     if cfg.head_dim != spec.head_dim:  # guard against any library default creeping back in
         raise RuntimeError(f"decoder config head_dim {cfg.head_dim} != {spec.head_dim}")
@@ -78,22 +89,30 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
         transformer_layer_config=decoder_config(spec, attn_impl),
         draft_vocab_size=spec.draft_vocab_size,
         norm_before_residual=spec.norm_before_residual,
-        norm_before_fc=False, fc_norm=False, norm_output=False,  # the plain EAGLE-3 layout (contract 6)
+        norm_before_fc=False,
+        fc_norm=False,
+        norm_output=False,  # the plain EAGLE-3 layout (contract 6)
         eagle_aux_hidden_state_layer_ids=list(spec.aux_layer_ids),
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", default_proposal_method="greedy",
+            algorithm="eagle3",
+            default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            verifier=VerifierConfig(name_or_path=None, architectures=[])))
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        ),
+    )
     return Eagle3DraftModel(config)
 
 
-def attach_verifier_tensors(model: Any, tensors: dict[str, torch.Tensor], t2d: torch.Tensor,
-                            d2t: torch.Tensor) -> None:
+def attach_verifier_tensors(
+    model: Any, tensors: dict[str, torch.Tensor], t2d: torch.Tensor, d2t: torch.Tensor
+) -> None:
     """Shared embedding, teacher head/norm and the draft lm_head (the verifier's rows for the draft vocab)."""
     spec_vocab, hidden = model.embed_tokens.weight.shape
     if tuple(tensors["embed_tokens"].shape) != (spec_vocab, hidden):
-        raise UserError(f"verifier embed_tokens has shape {tuple(tensors['embed_tokens'].shape)}, the draft "
-                        f"expects {(spec_vocab, hidden)}")
+        raise UserError(
+            f"verifier embed_tokens has shape {tuple(tensors['embed_tokens'].shape)}, the draft "
+            f"expects {(spec_vocab, hidden)}"
+        )
     with torch.no_grad():
         model.embed_tokens.weight.copy_(tensors["embed_tokens"].float())
         rows = tensors["lm_head"].float()[t2d]

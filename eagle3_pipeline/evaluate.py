@@ -22,8 +22,13 @@ from eagle3_pipeline.config import EvaluateConfig, config_to_dict
 from eagle3_pipeline.conversations import RowRejected, normalize_messages, read_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.reference_draft import ReferenceDraft
-from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model, \
-    load_verifier_tensors, verifier_facts
+from eagle3_pipeline.verifier import (
+    AuxCapture,
+    find_decoder_layers,
+    load_verifier_model,
+    load_verifier_tensors,
+    verifier_facts,
+)
 
 log = logging.getLogger("eagle3.evaluate")
 
@@ -54,24 +59,30 @@ def build_prompts(tokenizer: Any, data_path: Path, start: int, n: int) -> list[l
     return prompts
 
 
-def simulate(verifier_path: Path, draft_dir: Path, prompts: list[list[int]], max_new_tokens: int, k: int
-             ) -> tuple[dict[str, Any], list[list[int]]]:
+def simulate(
+    verifier_path: Path, draft_dir: Path, prompts: list[list[int]], max_new_tokens: int, k: int
+) -> tuple[dict[str, Any], list[list[int]]]:
     """(acceptance summary, greedy continuations) from the simulation."""
     facts = verifier_facts(verifier_path)
     embed = load_verifier_tensors(verifier_path, facts.tie_word_embeddings)["embed_tokens"]
     draft = ReferenceDraft(draft_dir, embed)
     if draft.aux_layer_ids is None:
         raise UserError(f"{draft_dir}/config.json: no eagle_aux_hidden_state_layer_ids")
-    model = load_verifier_model(verifier_path, torch.float32 if not torch.cuda.is_available() else torch.bfloat16,
-                                trust_remote_code=False)
+    model = load_verifier_model(
+        verifier_path,
+        torch.float32 if not torch.cuda.is_available() else torch.bfloat16,
+        trust_remote_code=False,
+    )
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), draft.aux_layer_ids)
     counts = AcceptanceCounts(k)
     outputs = []
     try:
         for prompt in progress(prompts, desc="simulate", unit="prompt"):
-            seq, aux = verifier_greedy_with_aux(model, capture, facts.num_hidden_layers, prompt, max_new_tokens)
+            seq, aux = verifier_greedy_with_aux(
+                model, capture, facts.num_hidden_layers, prompt, max_new_tokens
+            )
             simulate_sequence(draft, aux, seq, len(prompt), k, counts)
-            outputs.append(seq[len(prompt):].tolist())
+            outputs.append(seq[len(prompt) :].tolist())
     finally:
         capture.remove()
     return counts.summary(), outputs
@@ -81,10 +92,15 @@ def compare(sim: dict[str, Any], vllm: dict[str, Any], greedy: list[list[int]]) 
     """The two checks that make vLLM's numbers trustworthy: lossless output, rates within tolerance."""
     lossless = vllm["outputs"] == greedy
     diffs = [abs(a - b) for a, b in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
-    return {"lossless": lossless, "rate_diff_per_pos": diffs, "rate_tolerance": RATE_TOLERANCE,
-            "rates_agree": all(d <= RATE_TOLERANCE for d in diffs),
-            "first_mismatch": None if lossless else next(
-                (i for i, (a, b) in enumerate(zip(vllm["outputs"], greedy)) if a != b), None)}
+    return {
+        "lossless": lossless,
+        "rate_diff_per_pos": diffs,
+        "rate_tolerance": RATE_TOLERANCE,
+        "rates_agree": all(d <= RATE_TOLERANCE for d in diffs),
+        "first_mismatch": None
+        if lossless
+        else next((i for i, (a, b) in enumerate(zip(vllm["outputs"], greedy)) if a != b), None),
+    }
 
 
 def run(cfg: EvaluateConfig) -> int:
@@ -97,41 +113,60 @@ def run(cfg: EvaluateConfig) -> int:
         raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
     if cfg.engine not in ("sim", "vllm", "both"):
         raise UserError(f"engine {cfg.engine!r}: use sim, vllm or both")
-    verifier_path = Path(cfg.verifier_path or storage.read_json(draft_dir / "export_meta.json")["verifier_path"])
+    verifier_path = Path(
+        cfg.verifier_path or storage.read_json(draft_dir / "export_meta.json")["verifier_path"]
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path))
     prompts = build_prompts(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts)
     k = cfg.num_speculative_tokens
-    result: dict[str, Any] = {"draft_dir": str(draft_dir.resolve()), "verifier_path": str(verifier_path),
-                              "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-                              "num_speculative_tokens": k, "config": config_to_dict(cfg),
-                              "versions": storage.versions()}
+    result: dict[str, Any] = {
+        "draft_dir": str(draft_dir.resolve()),
+        "verifier_path": str(verifier_path),
+        "num_prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "num_speculative_tokens": k,
+        "config": config_to_dict(cfg),
+        "versions": storage.versions(),
+    }
     greedy = None
     if cfg.engine in ("sim", "both"):
         result["sim"], greedy = simulate(verifier_path, draft_dir, prompts, cfg.max_new_tokens, k)
         _log("sim", result["sim"])
     if cfg.engine in ("vllm", "both"):
-        result["vllm"] = vllm_engine.generate(verifier_path, draft_dir, prompts, cfg.max_new_tokens, k,
-                                              cfg.vllm_python)
+        result["vllm"] = vllm_engine.generate(
+            verifier_path, draft_dir, prompts, cfg.max_new_tokens, k, cfg.vllm_python
+        )
         _log("vllm", result["vllm"])
     if cfg.engine == "both":
         result["comparison"] = compare(result["sim"], result["vllm"], greedy)
         c = result["comparison"]
-        log.info("vllm vs sim | lossless %s | rate diff per pos %s (tolerance %.2f)", c["lossless"],
-                 " ".join(f"{d:.3f}" for d in c["rate_diff_per_pos"]), RATE_TOLERANCE)
+        log.info(
+            "vllm vs sim | lossless %s | rate diff per pos %s (tolerance %.2f)",
+            c["lossless"],
+            " ".join(f"{d:.3f}" for d in c["rate_diff_per_pos"]),
+            RATE_TOLERANCE,
+        )
     out_dir = Path(cfg.out_dir) if cfg.out_dir else draft_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"acceptance_{cfg.engine}.json"
     storage.write_json_atomic(out_dir / name, result)
     log.info("wrote %s", out_dir / name)
-    if cfg.engine == "both" and not (result["comparison"]["lossless"] and result["comparison"]["rates_agree"]):
+    if cfg.engine == "both" and not (
+        result["comparison"]["lossless"] and result["comparison"]["rates_agree"]
+    ):
         log.error("vLLM and the simulation disagree (see %s)", out_dir / name)
         return 1
     return 0
 
 
 def _log(engine: str, s: dict[str, Any]) -> None:
-    log.info("%s | mean acceptance length %.3f | per position %s | drafts %d", engine, s["mean_acceptance_length"],
-             " ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"]), s["num_drafts"])
+    log.info(
+        "%s | mean acceptance length %.3f | per position %s | drafts %d",
+        engine,
+        s["mean_acceptance_length"],
+        " ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"]),
+        s["num_drafts"],
+    )
 
 
 def load_result(path: Path) -> dict[str, Any]:

@@ -50,12 +50,19 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     dv, v = config["draft_vocab_size"], config["vocab_size"]
     shapes = {
         "fc.weight": (H, n_aux * H),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.mlp.gate_proj.weight": (inter, H), "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (inter, H),
+        "midlayer.mlp.up_proj.weight": (inter, H),
         "midlayer.mlp.down_proj.weight": (H, inter),
-        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
-        "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,), "lm_head.weight": (dv, H)}
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (dv, H),
+    }
     if dv != v:
         shapes["d2t"] = (dv,)
         shapes["t2d"] = (v,)
@@ -66,24 +73,40 @@ def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, An
     """config.json for vLLM: every field that vLLM would otherwise default or guess, stated."""
     ids = list(spec.aux_layer_ids)
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "dtype": "bfloat16",
-        "hidden_size": spec.hidden_size, "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.head_dim,
-        "intermediate_size": spec.intermediate_size, "num_hidden_layers": 1, "hidden_act": spec.hidden_act,
-        "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta, "rope_scaling": None,
-        "max_position_embeddings": spec.max_position_embeddings, "vocab_size": spec.vocab_size,
-        "draft_vocab_size": spec.draft_vocab_size, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "use_cache": True,
-        "bos_token_id": verifier_cfg.get("bos_token_id"), "eos_token_id": verifier_cfg.get("eos_token_id"),
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "dtype": "bfloat16",
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": 1,
+        "hidden_act": spec.hidden_act,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "draft_vocab_size": spec.draft_vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": verifier_cfg.get("bos_token_id"),
+        "eos_token_id": verifier_cfg.get("eos_token_id"),
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "norm_before_residual": spec.norm_before_residual,
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
     }
 
 
-def flat_weights(weights: dict[str, torch.Tensor], d2t: torch.Tensor, t2d: torch.Tensor, spec: DraftSpec
-                 ) -> dict[str, torch.Tensor]:
+def flat_weights(
+    weights: dict[str, torch.Tensor], d2t: torch.Tensor, t2d: torch.Tensor, spec: DraftSpec
+) -> dict[str, torch.Tensor]:
     """speculators names (`layers.0.*`) -> vLLM flat names (`midlayer.*`), bf16, + d2t/t2d."""
     out = {}
     for name, t in weights.items():
@@ -97,18 +120,23 @@ def flat_weights(weights: dict[str, torch.Tensor], d2t: torch.Tensor, t2d: torch
     return out
 
 
-def static_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor], expect: dict[str, Any]
-                    ) -> list[str]:
+def static_problems(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], expect: dict[str, Any]
+) -> list[str]:
     """Contract checks on config.json + tensors against what training did (`expect`)."""
     p: list[str] = []
     spec = expect["draft"]
     if config.get("architectures") != ["LlamaForCausalLMEagle3"] or config.get("model_type") != "llama":
-        p.append("architectures must be [LlamaForCausalLMEagle3] with model_type llama (deepseek_v3 would be "
-                 "rewritten into an MTP draft)")
+        p.append(
+            "architectures must be [LlamaForCausalLMEagle3] with model_type llama (deepseek_v3 would be "
+            "rewritten into an MTP draft)"
+        )
     if "head_dim" not in config:
-        p.append(f"head_dim missing: vLLM would use hidden_size // num_attention_heads = "
-                 f"{config.get('hidden_size', 0) // max(config.get('num_attention_heads', 1), 1)} and narrow the "
-                 f"trained {spec['head_dim']}-wide heads silently")
+        p.append(
+            f"head_dim missing: vLLM would use hidden_size // num_attention_heads = "
+            f"{config.get('hidden_size', 0) // max(config.get('num_attention_heads', 1), 1)} and narrow the "
+            f"trained {spec['head_dim']}-wide heads silently"
+        )
     elif config["head_dim"] != spec["head_dim"]:
         p.append(f"head_dim {config['head_dim']} != trained {spec['head_dim']}")
     top = config.get("eagle_aux_hidden_state_layer_ids")
@@ -118,10 +146,21 @@ def static_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor], ex
     elif top != nested:
         p.append(f"aux layer ids differ: top level {top} vs eagle_config {nested}")
     if aux_layer_ids_of(config) != list(spec["aux_layer_ids"]):
-        p.append(f"aux layer ids {aux_layer_ids_of(config)} != {list(spec['aux_layer_ids'])} used at extraction "
-                 "(vLLM convention: id i = HF hidden_states[i])")
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
-                "draft_vocab_size", "rope_theta", "rms_norm_eps", "norm_before_residual"):
+        p.append(
+            f"aux layer ids {aux_layer_ids_of(config)} != {list(spec['aux_layer_ids'])} used at extraction "
+            "(vLLM convention: id i = HF hidden_states[i])"
+        )
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "draft_vocab_size",
+        "rope_theta",
+        "rms_norm_eps",
+        "norm_before_residual",
+    ):
         if config.get(key) != spec[key]:
             p.append(f"{key} {config.get(key)!r} != trained {spec[key]!r}")
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
@@ -144,8 +183,14 @@ def static_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor], ex
     for name, shape in shapes.items():
         t = tensors.get(name)
         if t is None:
-            p.append(f"{name} missing" + (" (vLLM keeps d2t at zeros: every draft token maps to the wrong "
-                                          "target token)" if name == "d2t" else ""))
+            p.append(
+                f"{name} missing"
+                + (
+                    " (vLLM keeps d2t at zeros: every draft token maps to the wrong target token)"
+                    if name == "d2t"
+                    else ""
+                )
+            )
         elif tuple(t.shape) != shape:
             p.append(f"{name}: shape {tuple(t.shape)} != {shape} from config.json")
         elif name == "d2t" and t.dtype != torch.int64:
@@ -160,8 +205,9 @@ def static_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor], ex
     return p
 
 
-def readback_problems(export_dir: Path, model: Any, embed: torch.Tensor, samples: list[dict[str, torch.Tensor]],
-                      ttt_steps: int) -> tuple[list[str], dict[str, float]]:
+def readback_problems(
+    export_dir: Path, model: Any, embed: torch.Tensor, samples: list[dict[str, torch.Tensor]], ttt_steps: int
+) -> tuple[list[str], dict[str, float]]:
     """Logits of the export read as vLLM reads it vs the trained model's, at TTT steps 0 and 1."""
     ref = ReferenceDraft(export_dir, embed)
     captured: list[torch.Tensor] = []
@@ -173,17 +219,28 @@ def readback_problems(export_dir: Path, model: Any, embed: torch.Tensor, samples
             b = pack([s], max_seq_len=10**9)
             captured.clear()
             with torch.no_grad():
-                model(hidden_states=b["hidden_states"], input_ids=b["input_ids"], document_ids=b["document_ids"],
-                      position_ids=b["position_ids"], ttt_steps=min(2, ttt_steps))
+                model(
+                    hidden_states=b["hidden_states"],
+                    input_ids=b["input_ids"],
+                    document_ids=b["document_ids"],
+                    position_ids=b["position_ids"],
+                    ttt_steps=min(2, ttt_steps),
+                )
             T = b["input_ids"].shape[1]
-            out0, logits0, cache = ref.first_pass(b["hidden_states"][0], b["input_ids"][0], b["position_ids"][0])
+            out0, logits0, cache = ref.first_pass(
+                b["hidden_states"][0], b["input_ids"][0], b["position_ids"][0]
+            )
             pairs = [(captured[0][0], logits0)]
             if len(captured) > 1 and T > 2:  # step 1 at a few slots: chain on top of the first pass
                 slots = torch.linspace(0, T - 2, steps=min(8, T - 1)).long().unique()
                 got = []
                 for t in slots.tolist():
-                    _, lg, _ = ref.step(out0[t:t + 1], b["input_ids"][0, t + 1:t + 2],
-                                        b["position_ids"][0, t:t + 1] + 1, cache.truncate(t + 1))
+                    _, lg, _ = ref.step(
+                        out0[t : t + 1],
+                        b["input_ids"][0, t + 1 : t + 2],
+                        b["position_ids"][0, t : t + 1] + 1,
+                        cache.truncate(t + 1),
+                    )
                     got.append(lg[0])
                 pairs.append((captured[1][0][slots], torch.stack(got)))
             for want, have in pairs:
@@ -195,20 +252,28 @@ def readback_problems(export_dir: Path, model: Any, embed: torch.Tensor, samples
                 scale_sum += float(want.float().std()) * want_t.numel()
     finally:
         hook.remove()
-    stats = {"top1_agreement": agree / max(total, 1), "normalised_error": err_sum / max(scale_sum, 1e-12),
-             "positions": total}
+    stats = {
+        "top1_agreement": agree / max(total, 1),
+        "normalised_error": err_sum / max(scale_sum, 1e-12),
+        "positions": total,
+    }
     p = []
     if stats["top1_agreement"] < MIN_TOP1_AGREEMENT:
-        p.append(f"read back under vLLM's rules, the export agrees with the trained draft on "
-                 f"{stats['top1_agreement']:.3f} of target tokens (< {MIN_TOP1_AGREEMENT})")
+        p.append(
+            f"read back under vLLM's rules, the export agrees with the trained draft on "
+            f"{stats['top1_agreement']:.3f} of target tokens (< {MIN_TOP1_AGREEMENT})"
+        )
     if stats["normalised_error"] > MAX_NORMALISED_ERROR:
-        p.append(f"read-back logits differ by {stats['normalised_error']:.3f} of their spread "
-                 f"(> {MAX_NORMALISED_ERROR})")
+        p.append(
+            f"read-back logits differ by {stats['normalised_error']:.3f} of their spread "
+            f"(> {MAX_NORMALISED_ERROR})"
+        )
     return p, stats
 
 
-def load_trained(train_dir: Path, which: str) -> tuple[Path | None, dict[str, Any], Any, dict[str, torch.Tensor],
-                                                       torch.Tensor, torch.Tensor]:
+def load_trained(
+    train_dir: Path, which: str
+) -> tuple[Path | None, dict[str, Any], Any, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """(checkpoint, train meta, model with weights, verifier tensors, d2t, t2d).
 
     `which` = "init" gives the draft as training initialised it (same seed): the untrained baseline.
@@ -221,8 +286,9 @@ def load_trained(train_dir: Path, which: str) -> tuple[Path | None, dict[str, An
     if vocab_meta["mapping_sha256"] != meta["vocab_mapping_sha256"]:
         raise UserError(f"{meta['vocab_mapping_dir']}: vocab mapping changed since training (sha256 differs)")
     model = build_draft(spec)
-    vt = load_verifier_tensors(Path(meta["verifier_path"]), meta["source"]["verifier"].get("tie_word_embeddings",
-                                                                                            False))
+    vt = load_verifier_tensors(
+        Path(meta["verifier_path"]), meta["source"]["verifier"].get("tie_word_embeddings", False)
+    )
     attach_verifier_tensors(model, vt, t2d, d2t)
     if ckpt is not None:
         weights, _, _ = checkpoint.load(ckpt, with_state=False)
@@ -234,8 +300,14 @@ def load_trained(train_dir: Path, which: str) -> tuple[Path | None, dict[str, An
     return ckpt, meta, model, vt, d2t, t2d
 
 
-def gate(export_dir: Path, model: Any, meta: dict[str, Any], embed: torch.Tensor, d2t: torch.Tensor,
-         samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+def gate(
+    export_dir: Path,
+    model: Any,
+    meta: dict[str, Any],
+    embed: torch.Tensor,
+    d2t: torch.Tensor,
+    samples: list[dict[str, torch.Tensor]],
+) -> dict[str, Any]:
     """Every check; raises UserError listing all problems. Returns the read-back statistics."""
     import json
 
@@ -259,8 +331,10 @@ def gate_samples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
 
 def serve_line(verifier_path: str, export_dir: Path, k: int) -> str:
     spec = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": %d}' % (export_dir.resolve(), k)
-    return (f"vllm serve {verifier_path} --tensor-parallel-size 8 --trust-remote-code \\\n"
-            f"  --speculative-config '{spec}'")
+    return (
+        f"vllm serve {verifier_path} --tensor-parallel-size 8 --trust-remote-code \\\n"
+        f"  --speculative-config '{spec}'"
+    )
 
 
 def run(cfg: ExportConfig) -> int:
@@ -283,16 +357,33 @@ def run(cfg: ExportConfig) -> int:
     stats = gate(tmp, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, cfg.gate_samples))
     info = {"step": 0} if ckpt is None else json.loads((ckpt / "checkpoint.json").read_text())
     ckpt_name = "init" if ckpt is None else ckpt.name
-    storage.write_json_atomic(tmp / EXPORT_META, {
-        "stage": "05_export", "train_dir": str(Path(cfg.train_dir).resolve()), "checkpoint": ckpt_name,
-        "step": info["step"], "val": info.get("val"), "draft": meta["draft"], "verifier_path": meta["verifier_path"],
-        "vocab_mapping_sha256": meta["vocab_mapping_sha256"], "readback": stats,
-        "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE), "config": config_to_dict(cfg),
-        "versions": storage.versions()})
+    storage.write_json_atomic(
+        tmp / EXPORT_META,
+        {
+            "stage": "05_export",
+            "train_dir": str(Path(cfg.train_dir).resolve()),
+            "checkpoint": ckpt_name,
+            "step": info["step"],
+            "val": info.get("val"),
+            "draft": meta["draft"],
+            "verifier_path": meta["verifier_path"],
+            "vocab_mapping_sha256": meta["vocab_mapping_sha256"],
+            "readback": stats,
+            "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
+            "config": config_to_dict(cfg),
+            "versions": storage.versions(),
+        },
+    )
     storage.publish_dir(tmp, out_dir)  # the old export is replaced only now, after the gate passed
-    log.info("done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
-             out_dir, ckpt_name, info["step"], stats["top1_agreement"], stats["normalised_error"],
-             stats["positions"])
+    log.info(
+        "done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
+        out_dir,
+        ckpt_name,
+        info["step"],
+        stats["top1_agreement"],
+        stats["normalised_error"],
+        stats["positions"],
+    )
     print(serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens))
     return 0
 

@@ -24,11 +24,22 @@ import torch
 from eagle3_pipeline import storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import ExtractConfig, config_to_dict
-from eagle3_pipeline.conversations import RowRejected, count_rows, normalize_messages, read_rows, \
-    tokenize_conversation
+from eagle3_pipeline.conversations import (
+    RowRejected,
+    count_rows,
+    normalize_messages,
+    read_rows,
+    tokenize_conversation,
+)
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.verifier import AuxCapture, check_aux_layer_ids, default_aux_layer_ids, \
-    find_decoder_layers, load_verifier_model, verifier_facts
+from eagle3_pipeline.verifier import (
+    AuxCapture,
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+    find_decoder_layers,
+    load_verifier_model,
+    verifier_facts,
+)
 
 log = logging.getLogger("eagle3.extract")
 
@@ -55,22 +66,31 @@ def run(cfg: ExtractConfig) -> int:
         raise UserError(f"{data_path}: data not found (--data-path)")
     verifier_path = Path(cfg.verifier_path)
     facts = verifier_facts(verifier_path)
-    aux_ids = check_aux_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(facts.num_hidden_layers),
-                                  facts.num_hidden_layers)
+    aux_ids = check_aux_layer_ids(
+        cfg.aux_layer_ids or default_aux_layer_ids(facts.num_hidden_layers), facts.num_hidden_layers
+    )
     total_rows = count_rows(data_path, cfg.data_split)
     start = cfg.start_row
     end = total_rows if cfg.end_row is None else min(cfg.end_row, total_rows)
     if not 0 <= start < end:
-        raise UserError(f"row range [{cfg.start_row}, {cfg.end_row}) is empty for {data_path} "
-                        f"({total_rows} rows)")
+        raise UserError(
+            f"row range [{cfg.start_row}, {cfg.end_row}) is empty for {data_path} ({total_rows} rows)"
+        )
     if cfg.samples_per_file < 1:
         raise UserError("samples_per_file must be >= 1")
     dtype = resolve_dtype(cfg.dtype)
     shard = Path(cfg.out_dir) / shard_name(start, end)
-    settings = {"format": SHARD_FORMAT, "verifier": asdict(facts), "aux_layer_ids": aux_ids,
-                "dtype": str(dtype).removeprefix("torch."), "data_path": str(data_path.resolve()),
-                "data_split": cfg.data_split, "row_range": [start, end], "max_seq_len": cfg.max_seq_len,
-                "samples_per_file": cfg.samples_per_file}
+    settings = {
+        "format": SHARD_FORMAT,
+        "verifier": asdict(facts),
+        "aux_layer_ids": aux_ids,
+        "dtype": str(dtype).removeprefix("torch."),
+        "data_path": str(data_path.resolve()),
+        "data_split": cfg.data_split,
+        "row_range": [start, end],
+        "max_seq_len": cfg.max_seq_len,
+        "samples_per_file": cfg.samples_per_file,
+    }
 
     if storage.is_complete(shard) and not cfg.overwrite:
         log.info("skip: %s is complete (use --overwrite to redo it)", shard)
@@ -86,15 +106,25 @@ def run(cfg: ExtractConfig) -> int:
         before = storage.read_json(run_file)
         if before != settings:
             changed = sorted(k for k in settings if before.get(k) != settings[k])
-            raise UserError(f"{shard}: a run with other settings ({', '.join(changed)}) left it unfinished; "
-                            "rerun with those settings to resume, or --overwrite to start over")
+            raise UserError(
+                f"{shard}: a run with other settings ({', '.join(changed)}) left it unfinished; "
+                "rerun with those settings to resume, or --overwrite to start over"
+            )
     else:
         storage.write_json_atomic(run_file, settings)
 
     blocks = [(b, min(b + cfg.samples_per_file, end)) for b in range(start, end, cfg.samples_per_file)]
     todo = [(n, b) for n, b in enumerate(blocks) if not (shard / f"part-{n:05d}.json").exists()]
-    log.info("shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s", shard, start, end,
-             len(blocks), len(todo), aux_ids, settings["dtype"])
+    log.info(
+        "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s",
+        shard,
+        start,
+        end,
+        len(blocks),
+        len(todo),
+        aux_ids,
+        settings["dtype"],
+    )
     if todo:
         _extract_parts(cfg, shard, blocks, todo, aux_ids, dtype, facts.num_hidden_layers)
     _finish_shard(cfg, shard, blocks, settings)
@@ -110,9 +140,15 @@ def _seen_ids(shard: Path, blocks: list[tuple[int, int]], before_part: int) -> d
     return seen
 
 
-def _extract_parts(cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]],
-                   todo: list[tuple[int, tuple[int, int]]], aux_ids: list[int], dtype: torch.dtype,
-                   num_layers: int) -> None:
+def _extract_parts(
+    cfg: ExtractConfig,
+    shard: Path,
+    blocks: list[tuple[int, int]],
+    todo: list[tuple[int, tuple[int, int]]],
+    aux_ids: list[int],
+    dtype: torch.dtype,
+    num_layers: int,
+) -> None:
     from transformers import AutoTokenizer
 
     verifier_path = Path(cfg.verifier_path)
@@ -146,38 +182,65 @@ def _extract_parts(cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]
                 tensors["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
                 tensors["aux"].append(aux.to("cpu", dtype))
                 tensors["last"].append(last.to("cpu", dtype))
-                samples.append({"id": sample_id, "row": raw.index, "num_tokens": len(ids),
-                                "num_loss_tokens": int(sum(mask))})
+                samples.append(
+                    {
+                        "id": sample_id,
+                        "row": raw.index,
+                        "num_tokens": len(ids),
+                        "num_loss_tokens": int(sum(mask)),
+                    }
+                )
                 tokens_done += len(ids)
             _write_part(shard, n, samples, rejects, tensors, (a, b))
             rows_done += b - a
             bar.update(b - a)
             elapsed = time.time() - t0
-            log.info("part %05d | rows %d-%d | samples %d | rejected %d | tok/s %.0f | eta %.0fs", n, a, b,
-                     len(samples), len(rejects), tokens_done / max(elapsed, 1e-9),
-                     elapsed / rows_done * (sum(y - x for _, (x, y) in todo) - rows_done))
+            log.info(
+                "part %05d | rows %d-%d | samples %d | rejected %d | tok/s %.0f | eta %.0fs",
+                n,
+                a,
+                b,
+                len(samples),
+                len(rejects),
+                tokens_done / max(elapsed, 1e-9),
+                elapsed / rows_done * (sum(y - x for _, (x, y) in todo) - rows_done),
+            )
     finally:
         bar.close()
         capture.remove()
 
 
-def _write_part(shard: Path, n: int, samples: list[dict], rejects: list[dict],
-                tensors: dict[str, list[torch.Tensor]], rows: tuple[int, int]) -> None:
+def _write_part(
+    shard: Path,
+    n: int,
+    samples: list[dict],
+    rejects: list[dict],
+    tensors: dict[str, list[torch.Tensor]],
+    rows: tuple[int, int],
+) -> None:
     info: dict[str, Any] = {"rows": list(rows), "samples": samples, "rejects": rejects, "file": None}
     if samples:
         lengths = [len(t) for t in tensors["input_ids"]]
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
         fname = f"part-{n:05d}.safetensors"
-        digest = storage.save_safetensors_atomic({
-            "input_ids": torch.cat(tensors["input_ids"]), "loss_mask": torch.cat(tensors["loss_mask"]),
-            "aux_hidden_states": torch.cat(tensors["aux"]), "last_hidden_state": torch.cat(tensors["last"]),
-            "offsets": offsets}, shard / fname, metadata={"format": SHARD_FORMAT})
+        digest = storage.save_safetensors_atomic(
+            {
+                "input_ids": torch.cat(tensors["input_ids"]),
+                "loss_mask": torch.cat(tensors["loss_mask"]),
+                "aux_hidden_states": torch.cat(tensors["aux"]),
+                "last_hidden_state": torch.cat(tensors["last"]),
+                "offsets": offsets,
+            },
+            shard / fname,
+            metadata={"format": SHARD_FORMAT},
+        )
         info.update(file=fname, sha256=digest, bytes=(shard / fname).stat().st_size)
     storage.write_json_atomic(shard / f"part-{n:05d}.json", info)
 
 
-def _finish_shard(cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]],
-                  settings: dict[str, Any]) -> None:
+def _finish_shard(
+    cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]], settings: dict[str, Any]
+) -> None:
     files, rejects = [], []
     num_samples = num_tokens = num_loss_tokens = 0
     for n in range(len(blocks)):
@@ -192,25 +255,41 @@ def _finish_shard(cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]]
     if num_samples + len(rejects) != num_rows:  # every input row is written or rejected
         raise RuntimeError(f"{shard}: {num_samples} written + {len(rejects)} rejected != {num_rows} rows")
     storage.write_json_atomic(shard / "manifest.json", {"files": files})
-    storage.write_bytes_atomic(shard / "rejects.jsonl",
-                               "".join(json.dumps(r) + "\n" for r in rejects).encode())
+    storage.write_bytes_atomic(
+        shard / "rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects).encode()
+    )
     manifest_sha = storage.sha256_file(shard / "manifest.json")
-    meta = {**settings, "stage": "01_extract_hidden_states", "hidden_size": settings["verifier"]["hidden_size"],
-            "num_aux_layers": len(settings["aux_layer_ids"]), "num_rows": num_rows,
-            "num_samples": num_samples, "num_rejected": len(rejects), "num_tokens": num_tokens,
-            "num_loss_tokens": num_loss_tokens, "manifest_sha256": manifest_sha,
-            "config": config_to_dict(cfg), "versions": storage.versions()}
+    meta = {
+        **settings,
+        "stage": "01_extract_hidden_states",
+        "hidden_size": settings["verifier"]["hidden_size"],
+        "num_aux_layers": len(settings["aux_layer_ids"]),
+        "num_rows": num_rows,
+        "num_samples": num_samples,
+        "num_rejected": len(rejects),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": num_loss_tokens,
+        "manifest_sha256": manifest_sha,
+        "config": config_to_dict(cfg),
+        "versions": storage.versions(),
+    }
     meta["config"].pop("overwrite", None)
     storage.write_json_atomic(shard / storage.META_NAME, meta)
     storage.mark_complete(shard)
     for n in range(len(blocks)):  # only now: a crash before COMPLETE must find every finished part
         (shard / f"part-{n:05d}.json").unlink()
-    log.info("done %s | rows %d | samples %d | rejected %d (see rejects.jsonl) | tokens %d | loss tokens %d",
-             shard, num_rows, num_samples, len(rejects), num_tokens, num_loss_tokens)
+    log.info(
+        "done %s | rows %d | samples %d | rejected %d (see rejects.jsonl) | tokens %d | loss tokens %d",
+        shard,
+        num_rows,
+        num_samples,
+        len(rejects),
+        num_tokens,
+        num_loss_tokens,
+    )
     if rejects:
         reasons: dict[str, int] = {}
         for r in rejects:
             key = r["reason"].split(" (")[0]
             reasons[key] = reasons.get(key, 0) + 1
         log.warning("rejected rows by reason: %s", json.dumps(reasons))
-

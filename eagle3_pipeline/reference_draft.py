@@ -90,8 +90,9 @@ class ReferenceDraft:
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def _layer(self, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
-               ) -> tuple[torch.Tensor, KVCache]:
+    def _layer(
+        self, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> tuple[torch.Tensor, KVCache]:
         """One decoder-layer pass for new slots [T]; they attend to `cache` then causally to themselves."""
         e = self.embed[tokens]
         hn = _rms_norm(g, self.n_hidden, self.eps)
@@ -108,7 +109,7 @@ class ReferenceDraft:
         new_cache = KVCache(k, v)
         rep = self.heads // self.kv_heads
         kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        scores = (q @ kk.transpose(1, 2)) / self.head_dim ** 0.5
+        scores = (q @ kk.transpose(1, 2)) / self.head_dim**0.5
         allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
         scores = scores.masked_fill(~allowed, float("-inf"))
         a = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(T, self.heads * self.head_dim) @ self.wo.T
@@ -125,16 +126,18 @@ class ReferenceDraft:
 
     # --- what vLLM runs -------------------------------------------------------------------------
     @torch.no_grad()
-    def first_pass(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    def first_pass(
+        self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """Slots t: verifier features at t ([T, n_aux*H], ascending ids), embedding of token t+1, RoPE t."""
         g = aux.float() @ self.fc.T
         out, cache = self._layer(g, next_tokens, positions, None)
         return out, self.logits(out), cache
 
     @torch.no_grad()
-    def step(self, g: torch.Tensor, token: torch.Tensor, position: torch.Tensor, cache: KVCache
-             ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    def step(
+        self, g: torch.Tensor, token: torch.Tensor, position: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """A further draft step: g is the previous step's pre-norm output (not passed through fc)."""
         out, cache = self._layer(g, token, position, cache)
         return out, self.logits(out), cache

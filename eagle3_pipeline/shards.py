@@ -44,8 +44,10 @@ class ShardSet:
 
     def contract(self) -> dict[str, Any]:
         """What the next stage records and later checks: verifier identity + layout of the states."""
-        return {"verifier": {k: self.meta["verifier"][k] for k in ("path", *VERIFIER_KEYS)},
-                **{k: self.meta[k] for k in CONTRACT_KEYS}}
+        return {
+            "verifier": {k: self.meta["verifier"][k] for k in ("path", *VERIFIER_KEYS)},
+            **{k: self.meta[k] for k in CONTRACT_KEYS},
+        }
 
 
 def find_shard_dirs(data_dirs: list[str]) -> list[Path]:
@@ -82,8 +84,10 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
         for f in manifest["files"]:
             for i, smp in enumerate(f["samples"]):
                 if smp["id"] in seen:
-                    raise UserError(f"{s}: sample id {smp['id']!r} also in {seen[smp['id']]}; shards overlap "
-                                    "(same rows extracted twice?)")
+                    raise UserError(
+                        f"{s}: sample id {smp['id']!r} also in {seen[smp['id']]}; shards overlap "
+                        "(same rows extracted twice?)"
+                    )
                 seen[smp["id"]] = s
                 samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"]))
     if not samples:
@@ -93,20 +97,30 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
 
 def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
     if not storage.is_complete(shard):
-        raise UserError(f"{shard}: shard is not complete (extraction still running or interrupted); "
-                        "rerun the same 01_extract_hidden_states.py command to finish it")
+        raise UserError(
+            f"{shard}: shard is not complete (extraction still running or interrupted); "
+            "rerun the same 01_extract_hidden_states.py command to finish it"
+        )
     meta = storage.read_json(shard / storage.META_NAME)
     if meta.get("format") != SHARD_FORMAT:
-        raise UserError(f"{shard / storage.META_NAME}: format {meta.get('format')!r}, expected {SHARD_FORMAT}")
+        raise UserError(
+            f"{shard / storage.META_NAME}: format {meta.get('format')!r}, expected {SHARD_FORMAT}"
+        )
     missing = [k for k in REQUIRED_META_KEYS if k not in meta]
-    missing += [f"verifier.{k}" for k in ("path", *VERIFIER_KEYS, "rms_norm_eps") if k not in meta.get("verifier", {})]
+    missing += [
+        f"verifier.{k}" for k in ("path", *VERIFIER_KEYS, "rms_norm_eps") if k not in meta.get("verifier", {})
+    ]
     if missing:
-        raise UserError(f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
-                        "the shard with this version of 01_extract_hidden_states.py)")
+        raise UserError(
+            f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
+            "the shard with this version of 01_extract_hidden_states.py)"
+        )
     manifest_path = shard / "manifest.json"
     if storage.sha256_file(manifest_path) != meta["manifest_sha256"]:
-        raise UserError(f"{manifest_path}: checksum mismatch with meta.json; the shard is corrupt, "
-                        "re-extract it with --overwrite")
+        raise UserError(
+            f"{manifest_path}: checksum mismatch with meta.json; the shard is corrupt, "
+            "re-extract it with --overwrite"
+        )
     if verify:
         files = storage.read_json(manifest_path)["files"]
         for f in progress(files, desc=f"verify {shard.name}", unit="file"):
@@ -114,40 +128,54 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
             if not path.is_file():
                 raise UserError(f"{path}: missing; re-extract the shard with --overwrite")
             if path.stat().st_size != f["bytes"]:
-                raise UserError(f"{path}: {path.stat().st_size} bytes, manifest says {f['bytes']} (truncated?); "
-                                "re-extract the shard with --overwrite")
+                raise UserError(
+                    f"{path}: {path.stat().st_size} bytes, manifest says {f['bytes']} (truncated?); "
+                    "re-extract the shard with --overwrite"
+                )
             if storage.sha256_file(path) != f["sha256"]:
-                raise UserError(f"{path}: sha256 mismatch with manifest.json (corrupt file); "
-                                "re-extract the shard with --overwrite")
+                raise UserError(
+                    f"{path}: sha256 mismatch with manifest.json (corrupt file); "
+                    "re-extract the shard with --overwrite"
+                )
     return meta
 
 
 def _check_same(shard: Path, meta: dict[str, Any], ref: dict[str, Any], ref_name: str) -> None:
     for key in CONTRACT_KEYS:
         if meta[key] != ref[key]:
-            raise UserError(f"{shard / storage.META_NAME}: {key} {meta[key]} differs from {ref[key]} in "
-                            f"{ref_name}; shards of one run must share verifier, layer ids, hidden size, dtype")
+            raise UserError(
+                f"{shard / storage.META_NAME}: {key} {meta[key]} differs from {ref[key]} in "
+                f"{ref_name}; shards of one run must share verifier, layer ids, hidden size, dtype"
+            )
     for key in VERIFIER_KEYS:
         if meta["verifier"][key] != ref["verifier"][key]:
-            raise UserError(f"{shard / storage.META_NAME}: verifier {key} {meta['verifier'][key]} differs from "
-                            f"{ref['verifier'][key]} in {ref_name}; the shard comes from another verifier")
+            raise UserError(
+                f"{shard / storage.META_NAME}: verifier {key} {meta['verifier'][key]} differs from "
+                f"{ref['verifier'][key]} in {ref_name}; the shard comes from another verifier"
+            )
 
 
 def _check_expected(shard: Path, meta: dict[str, Any], expect: dict[str, Any]) -> None:
     for key in CONTRACT_KEYS:
         if key in expect and meta[key] != expect[key]:
-            raise UserError(f"{shard / storage.META_NAME}: {key} {meta[key]}, but this stage expects "
-                            f"{expect[key]} (from {expect.get('_source', 'its inputs')})")
+            raise UserError(
+                f"{shard / storage.META_NAME}: {key} {meta[key]}, but this stage expects "
+                f"{expect[key]} (from {expect.get('_source', 'its inputs')})"
+            )
     for key in VERIFIER_KEYS:
         want = expect.get("verifier", {}).get(key)
         if want is not None and meta["verifier"][key] != want:
-            raise UserError(f"{shard / storage.META_NAME}: verifier {key} {meta['verifier'][key]}, but this "
-                            f"stage expects {want} (from {expect.get('_source', 'its inputs')}); the shard "
-                            "comes from another verifier")
+            raise UserError(
+                f"{shard / storage.META_NAME}: verifier {key} {meta['verifier'][key]}, but this "
+                f"stage expects {want} (from {expect.get('_source', 'its inputs')}); the shard "
+                "comes from another verifier"
+            )
 
 
-def load_sample(ref: SampleRef, keys: tuple[str, ...] = ("input_ids", "loss_mask", "aux_hidden_states",
-                                                         "last_hidden_state")) -> dict[str, torch.Tensor]:
+def load_sample(
+    ref: SampleRef,
+    keys: tuple[str, ...] = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"),
+) -> dict[str, torch.Tensor]:
     """One sample's tensors, read by slicing the part file (never the whole file)."""
     from safetensors import safe_open
 

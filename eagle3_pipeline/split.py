@@ -26,8 +26,9 @@ def is_val(conversation_id: str, seed: int, val_ratio: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < val_ratio
 
 
-def split_samples(samples: list[SampleRef], seed: int, val_ratio: float
-                  ) -> tuple[list[SampleRef], list[SampleRef]]:
+def split_samples(
+    samples: list[SampleRef], seed: int, val_ratio: float
+) -> tuple[list[SampleRef], list[SampleRef]]:
     if not 0.0 <= val_ratio < 1.0:
         raise UserError(f"val_ratio {val_ratio} must lie in [0, 1)")
     train = [s for s in samples if not is_val(s.sample_id, seed, val_ratio)]
@@ -47,18 +48,32 @@ def run(cfg: SplitConfig) -> int:
     shard_set = open_shards(cfg.data_dir)
     train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
     tmp = storage.fresh_tmp_dir(out_dir)
-    storage.write_json_atomic(tmp / SPLIT_FILE, {"train": [s.sample_id for s in train],
-                                                 "val": [s.sample_id for s in val]})
-    meta = {"stage": "03_split_data", "num_train": len(train), "num_val": len(val),
-            "train_tokens": sum(s.num_tokens for s in train), "val_tokens": sum(s.num_tokens for s in val),
-            "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
-            "shards": [str(s.resolve()) for s in shard_set.shards], "source": shard_set.contract(),
-            "config": config_to_dict(cfg), "versions": storage.versions()}
+    storage.write_json_atomic(
+        tmp / SPLIT_FILE, {"train": [s.sample_id for s in train], "val": [s.sample_id for s in val]}
+    )
+    meta = {
+        "stage": "03_split_data",
+        "num_train": len(train),
+        "num_val": len(val),
+        "train_tokens": sum(s.num_tokens for s in train),
+        "val_tokens": sum(s.num_tokens for s in val),
+        "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
+        "shards": [str(s.resolve()) for s in shard_set.shards],
+        "source": shard_set.contract(),
+        "config": config_to_dict(cfg),
+        "versions": storage.versions(),
+    }
     meta["config"].pop("overwrite")
     storage.write_json_atomic(tmp / storage.META_NAME, meta)
     storage.publish_dir(tmp, out_dir)
-    log.info("done %s | train %d conversations (%d tokens) | val %d (%d tokens)", out_dir, len(train),
-             meta["train_tokens"], len(val), meta["val_tokens"])
+    log.info(
+        "done %s | train %d conversations (%d tokens) | val %d (%d tokens)",
+        out_dir,
+        len(train),
+        meta["train_tokens"],
+        len(val),
+        meta["val_tokens"],
+    )
     return 0
 
 
@@ -73,6 +88,8 @@ def load_split(split_dir: Path, samples: list[SampleRef]) -> tuple[list[SampleRe
     by_id = {s.sample_id: s for s in samples}
     missing = [i for i in ids["train"] + ids["val"] if i not in by_id]
     if missing:
-        raise UserError(f"{split_dir}: {len(missing)} sample ids (first {missing[0]!r}) are not in --data-dir; "
-                        "pass the same shards that 03_split_data.py read")
+        raise UserError(
+            f"{split_dir}: {len(missing)} sample ids (first {missing[0]!r}) are not in --data-dir; "
+            "pass the same shards that 03_split_data.py read"
+        )
     return [by_id[i] for i in ids["train"]], [by_id[i] for i in ids["val"]]

@@ -50,8 +50,9 @@ def read_json(path: Path) -> Any:
     except FileNotFoundError:
         raise UserError(f"{path}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}); the folder is corrupt, rerun the stage that "
-                        "wrote it") from None
+        raise UserError(
+            f"{path}: not valid JSON ({e}); the folder is corrupt, rerun the stage that wrote it"
+        ) from None
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:
@@ -62,8 +63,9 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def save_safetensors_atomic(tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None
-                            ) -> str:
+def save_safetensors_atomic(
+    tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None
+) -> str:
     """Write a safetensors file under a temp name, rename it, and return its sha256."""
     from safetensors.torch import save_file
 

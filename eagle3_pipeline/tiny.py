@@ -4,10 +4,10 @@
 config.json, model.safetensors, a byte-level tokenizer with a Kimi-style chat template.
 
 Random weights would make a verifier whose greedy output nobody can predict, so acceptance would mean
-nothing. Instead the residual stream is kept close to the token embedding (embeddings ~N(0, 1), every
-layer's output projection small) and lm_head row y is the sum of the embeddings of the tokens x with
-next(x) = y, for a fixed random `next` into printable ASCII (a permutation on it). The verifier then mostly continues token x
-with next(x), with its layers still changing the choice often enough that the aux states matter: learnable from hidden states, and an
+nothing. Instead the embeddings are ~N(0, 1) and lm_head row y is the sum of the embeddings of the
+tokens x with next(x) = y, for a fixed random `next` into printable ASCII (a permutation on it). The
+verifier then mostly continues token x with next(x), while its layers (output projections scaled up)
+change the choice often enough that the aux states matter: learnable from hidden states, and an
 untrained draft gets almost nothing right.
 """
 
@@ -18,8 +18,15 @@ import json
 import sys
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|bos|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
-                  "<|im_middle|>", "<|pad|>"]
+SPECIAL_TOKENS = [
+    "<|bos|>",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|pad|>",
+]
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
@@ -45,8 +52,9 @@ def build_tokenizer(out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>",
-                                   pad_token="<|pad|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
@@ -62,21 +70,50 @@ def byte_to_char() -> dict[int, str]:
 
 
 def tiny_config(arch: str) -> dict:
-    common = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257,
-                  pad_token_id=262, initializer_range=0.02)
+    common = dict(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=262,
+        initializer_range=0.02,
+    )
     if arch == "llama":
-        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=512,
-                    head_dim=64)
+        return dict(
+            common, architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=512, head_dim=64
+        )
     if arch == "deepseek_v3":
         # MLA + MoE like Kimi-K2.5 (first layer dense, the rest routed experts + a shared expert)
-        return dict(common, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-                    intermediate_size=512, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
-                    num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-                    routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=32,
-                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, topk_method="noaux_tc",
-                    scoring_func="sigmoid", rope_scaling=None)
+        return dict(
+            common,
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            intermediate_size=512,
+            moe_intermediate_size=64,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            rope_scaling=None,
+        )
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 
@@ -119,8 +156,12 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
     if nest_as_kimi:
         state = {"language_model." + k: v for k, v in state.items()}
         text = config.to_dict()
-        wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                   "text_config": text, "tie_word_embeddings": False}
+        wrapper = {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text,
+            "tie_word_embeddings": False,
+        }
         (out_dir / "config.json").write_text(json.dumps(wrapper, indent=2))
     else:
         config.save_pretrained(str(out_dir))
@@ -151,8 +192,12 @@ def regenerate(verifier_dir: Path, data_path: Path, out_path: Path, max_new_toke
 
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
     model = AutoModelForCausalLM.from_pretrained(str(verifier_dir), dtype=torch.float32).eval()
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id)
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     lines = []
     for raw in read_rows(data_path, 0, 10**12):
         row_id, messages = normalize_messages(raw.value)
@@ -163,7 +208,7 @@ def regenerate(verifier_dir: Path, data_path: Path, out_path: Path, max_new_toke
             ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
             with torch.no_grad():
                 out = model.generate(ids, generation_config=gen)
-            m["content"] = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            m["content"] = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         lines.append(json.dumps({"id": row_id or f"row-{raw.index}", "messages": messages}))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("\n".join(lines) + "\n")
@@ -188,7 +233,9 @@ def from_config(config_path: Path) -> None:
     data = Path(extract["data_path"])
     if run.get("regenerate_from") and not data.exists():
         tmp_data = data.with_name(data.name + ".tmp")
-        regenerate(verifier, Path(run["regenerate_from"]), tmp_data, run.get("regenerate_max_new_tokens", 160))
+        regenerate(
+            verifier, Path(run["regenerate_from"]), tmp_data, run.get("regenerate_max_new_tokens", 160)
+        )
         tmp_data.rename(data)
         print(f"regenerated conversations written to {data}")
 

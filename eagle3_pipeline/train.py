@@ -39,8 +39,10 @@ log = logging.getLogger("eagle3.train")
 
 def pack(samples: list[dict[str, torch.Tensor]], max_seq_len: int) -> dict[str, torch.Tensor]:
     """Shift each sample to (aux_t, token_{t+1}, teacher_{t+1}, mask_{t+1}) and pack them in one row."""
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden_states", "input_ids", "verifier_last",
-                                                            "loss_mask", "document_ids", "position_ids")}
+    parts: dict[str, list[torch.Tensor]] = {
+        k: []
+        for k in ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
+    }
     for doc, s in enumerate(samples):
         n = min(len(s["input_ids"]), max_seq_len)
         if n < 2:
@@ -54,8 +56,9 @@ def pack(samples: list[dict[str, torch.Tensor]], max_seq_len: int) -> dict[str, 
     return {k: torch.cat(v)[None] for k, v in parts.items()}
 
 
-def micro_batches(samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
-                  ) -> list[list[SampleRef]]:
+def micro_batches(
+    samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+) -> list[list[SampleRef]]:
     """A seeded shuffle of the samples, packed greedily into micro-batches of at most batch_tokens."""
     g = torch.Generator().manual_seed(seed * 100003 + epoch)
     order = torch.randperm(len(samples), generator=g).tolist()
@@ -99,8 +102,11 @@ class Dist:
 
 def init_distributed() -> tuple[Dist, torch.device]:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: NCCL on GPUs, gloo on CPU."""
-    d = Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-             int(os.environ.get("LOCAL_RANK", 0)))
+    d = Dist(
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
     if torch.cuda.is_available():
         torch.cuda.set_device(d.local_rank)
         device = torch.device("cuda", d.local_rank)
@@ -119,17 +125,29 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_frac))
 
 
-def forward(model: Any, batch: dict[str, torch.Tensor], ttt_steps: int, decay: float, device: torch.device,
-            autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def forward(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    ttt_steps: int,
+    decay: float,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     from speculators.losses.eager import kl_div_loss
 
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        _, loss, metrics = model(hidden_states=b["hidden_states"], input_ids=b["input_ids"],
-                                 document_ids=b["document_ids"], loss_mask=b["loss_mask"],
-                                 position_ids=b["position_ids"], verifier_last_hidden_states=b["verifier_last"],
-                                 ttt_steps=ttt_steps, ttt_step_loss_decay=decay,
-                                 loss_config={"kl_div": (kl_div_loss, 1.0)})
+        _, loss, metrics = model(
+            hidden_states=b["hidden_states"],
+            input_ids=b["input_ids"],
+            document_ids=b["document_ids"],
+            loss_mask=b["loss_mask"],
+            position_ids=b["position_ids"],
+            verifier_last_hidden_states=b["verifier_last"],
+            ttt_steps=ttt_steps,
+            ttt_step_loss_decay=decay,
+            loss_config={"kl_div": (kl_div_loss, 1.0)},
+        )
     return loss, metrics
 
 
@@ -162,8 +180,9 @@ def all_reduce_sums(sums: dict[str, float], dist: Dist, device: torch.device) ->
 
 
 @torch.no_grad()
-def validate(model: Any, loader: Any, cfg: TrainConfig, device: torch.device, autocast_dtype: Any,
-             dist: Dist) -> dict[str, float]:
+def validate(
+    model: Any, loader: Any, cfg: TrainConfig, device: torch.device, autocast_dtype: Any, dist: Dist
+) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     for batch in loader:
@@ -203,19 +222,34 @@ def run(cfg: TrainConfig) -> int:
         val_refs = val_refs[: cfg.val_max_samples]
     verifier_path = Path(cfg.verifier_path or shard_set.meta["verifier"]["path"])
     vmeta = shard_set.meta["verifier"]
-    spec = DraftSpec(hidden_size=vmeta["hidden_size"], num_attention_heads=cfg.num_attention_heads,
-                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     intermediate_size=cfg.intermediate_size, rms_norm_eps=vmeta["rms_norm_eps"],
-                     rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                     vocab_size=vmeta["vocab_size"], draft_vocab_size=int(d2t.numel()),
-                     aux_layer_ids=tuple(shard_set.meta["aux_layer_ids"]),
-                     norm_before_residual=cfg.norm_before_residual)
+    spec = DraftSpec(
+        hidden_size=vmeta["hidden_size"],
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=vmeta["rms_norm_eps"],
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=vmeta["vocab_size"],
+        draft_vocab_size=int(d2t.numel()),
+        aux_layer_ids=tuple(shard_set.meta["aux_layer_ids"]),
+        norm_before_residual=cfg.norm_before_residual,
+    )
 
-    run_meta = {"stage": "04_train", "draft": spec.to_json(), "source": shard_set.contract(),
-                "verifier_path": str(verifier_path.resolve()), "vocab_mapping_dir": str(Path(
-                    cfg.vocab_mapping_dir).resolve()), "vocab_mapping_sha256": vocab_meta["mapping_sha256"],
-                "shards": [str(s.resolve()) for s in shard_set.shards], "num_train": len(train_refs),
-                "num_val": len(val_refs), "train_lm_head": cfg.train_lm_head, "ttt_steps": cfg.ttt_steps}
+    run_meta = {
+        "stage": "04_train",
+        "draft": spec.to_json(),
+        "source": shard_set.contract(),
+        "verifier_path": str(verifier_path.resolve()),
+        "vocab_mapping_dir": str(Path(cfg.vocab_mapping_dir).resolve()),
+        "vocab_mapping_sha256": vocab_meta["mapping_sha256"],
+        "shards": [str(s.resolve()) for s in shard_set.shards],
+        "num_train": len(train_refs),
+        "num_val": len(val_refs),
+        "train_lm_head": cfg.train_lm_head,
+        "ttt_steps": cfg.ttt_steps,
+    }
     resume_from = None if cfg.overwrite else checkpoint.latest(ckpt_root)
     if dist.rank == 0:
         if cfg.overwrite and out_dir.exists():
@@ -226,15 +260,22 @@ def run(cfg: TrainConfig) -> int:
         meta_path = out_dir / storage.META_NAME
         if resume_from is not None and meta_path.exists():
             old = storage.read_json(meta_path)
-            if old["draft"] != run_meta["draft"] or old["vocab_mapping_sha256"] != run_meta["vocab_mapping_sha256"]:
-                raise UserError(f"{meta_path}: the checkpoints in {ckpt_root} were trained with another draft "
-                                "shape or vocab mapping; use another --out-dir or --overwrite")
-        storage.write_json_atomic(meta_path, {**run_meta, "config": config_to_dict(cfg),
-                                              "versions": storage.versions()})
+            if (
+                old["draft"] != run_meta["draft"]
+                or old["vocab_mapping_sha256"] != run_meta["vocab_mapping_sha256"]
+            ):
+                raise UserError(
+                    f"{meta_path}: the checkpoints in {ckpt_root} were trained with another draft "
+                    "shape or vocab mapping; use another --out-dir or --overwrite"
+                )
+        storage.write_json_atomic(
+            meta_path, {**run_meta, "config": config_to_dict(cfg), "versions": storage.versions()}
+        )
 
     model = build_draft(spec, attn_impl="sdpa")
-    attach_verifier_tensors(model, load_verifier_tensors(verifier_path, vmeta.get("tie_word_embeddings", False)),
-                            t2d, d2t)
+    attach_verifier_tensors(
+        model, load_verifier_tensors(verifier_path, vmeta.get("tie_word_embeddings", False)), t2d, d2t
+    )
     names = trainable_names(model, cfg.train_lm_head)
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
@@ -243,17 +284,24 @@ def run(cfg: TrainConfig) -> int:
     ddp_model = model
     if dist.enabled:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     params = [p for n, p in model.named_parameters() if n in names]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    per_rank = max(1, len(micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
-                   // (dist.world * cfg.grad_accum))
-    total_steps = per_rank * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_rank * cfg.epochs)
+    per_rank = max(
+        1,
+        len(micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+        // (dist.world * cfg.grad_accum),
+    )
+    total_steps = (
+        per_rank * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_rank * cfg.epochs)
+    )
     if cfg.max_steps is not None and cfg.max_steps > per_rank * cfg.epochs:
         total_steps = cfg.max_steps  # more steps than epochs allow: keep cycling over the data
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    )
 
     step = 0
     history: dict[str, Any] = {}
@@ -267,11 +315,14 @@ def run(cfg: TrainConfig) -> int:
         history = info.get("history", {})
         log.info("resumed from %s (step %d of %d)", resume_from, step, total_steps)
     if step >= total_steps:
-        log.info("skip: %s already reached step %d of %d (use --overwrite to retrain)", out_dir, step, total_steps)
+        log.info(
+            "skip: %s already reached step %d of %d (use --overwrite to retrain)", out_dir, step, total_steps
+        )
         return 0
 
-    val_loader = _loader(_rank_slice(micro_batches(val_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0),
-                                     dist), cfg)
+    val_loader = _loader(
+        _rank_slice(micro_batches(val_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0), dist), cfg
+    )
     if "untrained" not in history and val_refs:
         history["untrained"] = validate(ddp_model, val_loader, cfg, device, autocast_dtype, dist)
         _log_val(0, history["untrained"], "untrained")
@@ -283,7 +334,9 @@ def run(cfg: TrainConfig) -> int:
     ddp_model.train()
     while step < total_steps:
         epoch, in_epoch = divmod(step, per_rank)
-        batches = _rank_slice(micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch), dist)
+        batches = _rank_slice(
+            micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch), dist
+        )
         start = in_epoch * cfg.grad_accum
         take = [batches[i % len(batches)] for i in range(start, per_rank * cfg.grad_accum)]
         loader = _loader(take, cfg)
@@ -292,8 +345,9 @@ def run(cfg: TrainConfig) -> int:
             optimizer.zero_grad(set_to_none=True)
             for _ in range(cfg.grad_accum):
                 batch = next(it)
-                loss, metrics = forward(ddp_model, batch, cfg.ttt_steps, cfg.ttt_step_loss_decay, device,
-                                        autocast_dtype)
+                loss, metrics = forward(
+                    ddp_model, batch, cfg.ttt_steps, cfg.ttt_step_loss_decay, device, autocast_dtype
+                )
                 (loss / cfg.grad_accum).backward()
                 accumulate(sums, metrics)
                 tokens_seen += int(batch["input_ids"].numel()) * dist.world
@@ -306,12 +360,26 @@ def run(cfg: TrainConfig) -> int:
             if step % cfg.log_every == 0 or step == total_steps:
                 m = summarize(all_reduce_sums(sums, dist, device), cfg.ttt_steps)
                 elapsed = time.time() - t0
-                line = {"step": step, "epoch": epoch, "loss": m["loss"], "acc0": m["acc_0"],
-                        "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                        "tok_per_s": tokens_seen / max(elapsed, 1e-9)}
-                log.info("step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
-                         step, total_steps, m["loss"], m["acc_0"], line["lr"], line["grad_norm"],
-                         line["tok_per_s"], elapsed / max(1, step - start_step) * (total_steps - step))
+                line = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": m["loss"],
+                    "acc0": m["acc_0"],
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tok_per_s": tokens_seen / max(elapsed, 1e-9),
+                }
+                log.info(
+                    "step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
+                    step,
+                    total_steps,
+                    m["loss"],
+                    m["acc_0"],
+                    line["lr"],
+                    line["grad_norm"],
+                    line["tok_per_s"],
+                    elapsed / max(1, step - start_step) * (total_steps - step),
+                )
                 if dist.rank == 0:
                     with open(log_path, "a") as f:
                         f.write(json.dumps(line) + "\n")
@@ -325,16 +393,24 @@ def run(cfg: TrainConfig) -> int:
             if step % cfg.save_every == 0 or last or stop.signum is not None:
                 _save(ckpt_root, step, model, names, optimizer, scheduler, val, history, cfg, dist)
             if stop.signum is not None:
-                log.warning("signal %d: checkpoint saved at step %d; rerun the same command to resume",
-                            stop.signum, step)
+                log.warning(
+                    "signal %d: checkpoint saved at step %d; rerun the same command to resume",
+                    stop.signum,
+                    step,
+                )
                 bar.close()
                 return EXIT_INTERRUPTED
     bar.close()
     if dist.rank == 0 and "untrained" in history:
         final = history.get(f"step_{total_steps}", {})
-        log.info("done %s | val acc0 %.3f (untrained %.3f) | acceptance_length %.3f (untrained %.3f)", out_dir,
-                 final.get("acc_0", float("nan")), history["untrained"]["acc_0"],
-                 final.get("acceptance_length", float("nan")), history["untrained"]["acceptance_length"])
+        log.info(
+            "done %s | val acc0 %.3f (untrained %.3f) | acceptance_length %.3f (untrained %.3f)",
+            out_dir,
+            final.get("acc_0", float("nan")),
+            history["untrained"]["acc_0"],
+            final.get("acceptance_length", float("nan")),
+            history["untrained"]["acceptance_length"],
+        )
     if dist.enabled:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -353,30 +429,54 @@ def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
 
 
 def _rank_slice(batches: list[list[SampleRef]], dist: Dist) -> list[list[SampleRef]]:
-    return batches[dist.rank:: dist.world] or batches[:1]
+    return batches[dist.rank :: dist.world] or batches[:1]
 
 
 def _loader(batches: list[list[SampleRef]], cfg: TrainConfig) -> Any:
-    return torch.utils.data.DataLoader(BatchDataset(batches, cfg.max_seq_len), batch_size=None, shuffle=False,
-                                       num_workers=cfg.num_workers,
-                                       persistent_workers=False)
+    return torch.utils.data.DataLoader(
+        BatchDataset(batches, cfg.max_seq_len),
+        batch_size=None,
+        shuffle=False,
+        num_workers=cfg.num_workers,
+        persistent_workers=False,
+    )
 
 
 def _log_val(step: int, val: dict[str, float], label: str) -> None:
     steps = sorted(int(k.split("_")[1]) for k in val if k.startswith("acc_"))
     accs = " ".join(f"acc{s} {val[f'acc_{s}']:.3f}" for s in steps)
     conds = " ".join(f"cond{s} {val[f'cond_{s}']:.3f}" for s in steps)
-    log.info("%s step %d | loss %.4f | %s | %s | acceptance_length %.3f", label, step, val["loss"], accs, conds,
-             val["acceptance_length"])
+    log.info(
+        "%s step %d | loss %.4f | %s | %s | acceptance_length %.3f",
+        label,
+        step,
+        val["loss"],
+        accs,
+        conds,
+        val["acceptance_length"],
+    )
 
 
-def _save(root: Path, step: int, model: Any, names: list[str], optimizer: Any, scheduler: Any,
-          val: dict[str, float] | None, history: dict[str, Any], cfg: TrainConfig, dist: Dist) -> None:
+def _save(
+    root: Path,
+    step: int,
+    model: Any,
+    names: list[str],
+    optimizer: Any,
+    scheduler: Any,
+    val: dict[str, float] | None,
+    history: dict[str, Any],
+    cfg: TrainConfig,
+    dist: Dist,
+) -> None:
     if dist.rank == 0:
         state = dict(model.named_parameters())
         weights = {n: state[n] for n in names}
-        train_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                       "rng": checkpoint.rng_state()}
+        train_state = {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": checkpoint.rng_state(),
+        }
         info = {"history": history}
         if val is not None:
             info["val"] = val

@@ -42,17 +42,25 @@ def read_text_config(path: Path) -> dict[str, Any]:
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
             raise UserError(f"{cfg_file}: no `{key}` in the (text) config")
-    return {**text, "_top_architecture": (cfg.get("architectures") or ["?"])[0],
-            "_tie_top": cfg.get("tie_word_embeddings")}
+    return {
+        **text,
+        "_top_architecture": (cfg.get("architectures") or ["?"])[0],
+        "_tie_top": cfg.get("tie_word_embeddings"),
+    }
 
 
 def verifier_facts(path: Path) -> VerifierFacts:
     t = read_text_config(path)
     tie = t.get("tie_word_embeddings", t["_tie_top"])
-    return VerifierFacts(path=str(path.resolve()), architecture=t["_top_architecture"],
-                         num_hidden_layers=int(t["num_hidden_layers"]), hidden_size=int(t["hidden_size"]),
-                         vocab_size=int(t["vocab_size"]), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-                         tie_word_embeddings=bool(tie) if tie is not None else False)
+    return VerifierFacts(
+        path=str(path.resolve()),
+        architecture=t["_top_architecture"],
+        num_hidden_layers=int(t["num_hidden_layers"]),
+        hidden_size=int(t["hidden_size"]),
+        vocab_size=int(t["vocab_size"]),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(tie) if tie is not None else False,
+    )
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -62,11 +70,13 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     if len(ids) < 1 or sorted(set(ids)) != list(ids):
-        raise UserError(f"aux_layer_ids {ids}: must be strictly ascending (vLLM concatenates them in "
-                        "ascending order)")
+        raise UserError(
+            f"aux_layer_ids {ids}: must be strictly ascending (vLLM concatenates them in ascending order)"
+        )
     if ids[0] < 1 or ids[-1] > num_layers:
-        raise UserError(f"aux_layer_ids {ids}: each id must lie in [1, {num_layers}] for a "
-                        f"{num_layers}-layer verifier")
+        raise UserError(
+            f"aux_layer_ids {ids}: each id must lie in [1, {num_layers}] for a {num_layers}-layer verifier"
+        )
     return list(ids)
 
 
@@ -93,12 +103,20 @@ def load_verifier_model(path: Path, dtype: torch.dtype, trust_remote_code: bool)
 
 def find_decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
     """The text decoder's layer list, wherever the wrapper keeps it."""
-    candidates = [m for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.ModuleList) and name.endswith("layers") and len(m) == num_layers
-                  and "vision" not in name and "visual" not in name]
+    candidates = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.ModuleList)
+        and name.endswith("layers")
+        and len(m) == num_layers
+        and "vision" not in name
+        and "visual" not in name
+    ]
     if len(candidates) != 1:
-        raise UserError(f"cannot locate the verifier's {num_layers} decoder layers "
-                        f"(found {len(candidates)} candidate lists)")
+        raise UserError(
+            f"cannot locate the verifier's {num_layers} decoder layers "
+            f"(found {len(candidates)} candidate lists)"
+        )
     return candidates[0]
 
 

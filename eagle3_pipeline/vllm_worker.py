@@ -87,7 +87,7 @@ class StderrRelay:
                 view = memoryview(chunk)
                 try:
                     while view:
-                        view = view[os.write(self._real, view):]
+                        view = view[os.write(self._real, view) :]
                 except OSError:
                     pass
             pending += chunk
@@ -201,8 +201,7 @@ def counter_delta(before: dict, after: dict, k: int) -> dict:
         return list(v) + [0] * (n - len(v))
 
     per_pos = [
-        x - y
-        for x, y in zip(padded(after[METRIC_ACCEPTED_PER_POS]), padded(before[METRIC_ACCEPTED_PER_POS]))
+        x - y for x, y in zip(padded(after[METRIC_ACCEPTED_PER_POS]), padded(before[METRIC_ACCEPTED_PER_POS]))
     ]
     num_drafts = after[METRIC_DRAFTS] - before[METRIC_DRAFTS]
     num_accepted = after[METRIC_ACCEPTED] - before[METRIC_ACCEPTED]
@@ -305,9 +304,7 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     )
     before = snapshot_counters(llm)
     t0 = time.perf_counter()
-    results = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-    )
+    results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     generate_s = time.perf_counter() - t0
     after = snapshot_counters(llm)
 

@@ -67,17 +67,32 @@ def run(cfg: VocabConfig) -> int:
     coverage = covered / max(total, 1)
     tmp = storage.fresh_tmp_dir(out_dir)
     digest = storage.save_safetensors_atomic({"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE)
-    meta = {"stage": "02_build_vocab_mapping", "draft_vocab_size": cfg.draft_vocab_size,
-            "vocab_size": vocab_size, "loss_tokens": total, "covered_loss_tokens": covered,
-            "coverage": coverage, "distinct_loss_tokens": int((counts > 0).sum()),
-            "mapping_sha256": digest, "shards": [str(s.resolve()) for s in shard_set.shards],
-            "source": shard_set.contract(), "config": config_to_dict(cfg), "versions": storage.versions()}
+    meta = {
+        "stage": "02_build_vocab_mapping",
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "vocab_size": vocab_size,
+        "loss_tokens": total,
+        "covered_loss_tokens": covered,
+        "coverage": coverage,
+        "distinct_loss_tokens": int((counts > 0).sum()),
+        "mapping_sha256": digest,
+        "shards": [str(s.resolve()) for s in shard_set.shards],
+        "source": shard_set.contract(),
+        "config": config_to_dict(cfg),
+        "versions": storage.versions(),
+    }
     meta["config"].pop("overwrite")
     storage.write_json_atomic(tmp / storage.META_NAME, meta)
     storage.publish_dir(tmp, out_dir)
-    log.info("done %s | draft vocab %d of %d | coverage %.4f of %d loss-masked target tokens "
-             "(%d distinct)", out_dir, cfg.draft_vocab_size, vocab_size, coverage, total,
-             meta["distinct_loss_tokens"])
+    log.info(
+        "done %s | draft vocab %d of %d | coverage %.4f of %d loss-masked target tokens (%d distinct)",
+        out_dir,
+        cfg.draft_vocab_size,
+        vocab_size,
+        coverage,
+        total,
+        meta["distinct_loss_tokens"],
+    )
     return 0
 
 
@@ -93,7 +108,11 @@ def load_mapping(mapping_dir: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
         raise UserError(f"{path}: sha256 mismatch with meta.json (corrupt); rebuild it with --overwrite")
     t = load_file(str(path))
     d2t, t2d = t["d2t"], t["t2d"]
-    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.numel() != meta["draft_vocab_size"] \
-            or int(t2d.sum()) != d2t.numel():
+    if (
+        d2t.dtype != torch.int64
+        or t2d.dtype != torch.bool
+        or d2t.numel() != meta["draft_vocab_size"]
+        or int(t2d.sum()) != d2t.numel()
+    ):
         raise UserError(f"{path}: d2t/t2d have the wrong dtype or size; rebuild it with --overwrite")
     return meta, d2t, t2d

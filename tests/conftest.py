@@ -23,7 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def run_script(*args: str, cwd: Path = REPO, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_script(
+    *args: str, cwd: Path = REPO, check: bool = True, timeout: int = 900
+) -> subprocess.CompletedProcess:
     """A stage script (or module) in a subprocess, as a user runs it."""
     cmd = [sys.executable, *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
@@ -65,8 +67,14 @@ def tiny_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_run")
     cfg = moved_config(REPO / "configs" / "tiny.toml", "runs/tiny", root, root / "tiny.toml")
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_tiny.sh"), str(cfg)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "run_tiny.sh"), str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     (root / "run.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root

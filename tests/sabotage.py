@@ -39,6 +39,7 @@ def without_d2t(src: Path, dst: Path) -> Path:
 
 def aux_ids_shifted(src: Path, dst: Path, by: int = 1) -> Path:
     """Ids in the other convention (SGLang's "output of layer i" is vLLM's i+1): off by one layer."""
+
     def edit(c: dict) -> None:
         ids = [i + by for i in c["eagle_aux_hidden_state_layer_ids"]]
         c["eagle_aux_hidden_state_layer_ids"] = ids

@@ -21,12 +21,20 @@ def kimi_spec():
     train = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["train"]
     extract = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["extract"]
     vocab = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["vocab"]
-    return DraftSpec(hidden_size=7168, num_attention_heads=train["num_attention_heads"],
-                     num_key_value_heads=train["num_key_value_heads"], head_dim=train["head_dim"],
-                     intermediate_size=train["intermediate_size"], rms_norm_eps=1e-5,
-                     rope_theta=train["rope_theta"], max_position_embeddings=train["max_position_embeddings"],
-                     vocab_size=163840, draft_vocab_size=vocab["draft_vocab_size"],
-                     aux_layer_ids=tuple(extract["aux_layer_ids"]), norm_before_residual=False)
+    return DraftSpec(
+        hidden_size=7168,
+        num_attention_heads=train["num_attention_heads"],
+        num_key_value_heads=train["num_key_value_heads"],
+        head_dim=train["head_dim"],
+        intermediate_size=train["intermediate_size"],
+        rms_norm_eps=1e-5,
+        rope_theta=train["rope_theta"],
+        max_position_embeddings=train["max_position_embeddings"],
+        vocab_size=163840,
+        draft_vocab_size=vocab["draft_vocab_size"],
+        aux_layer_ids=tuple(extract["aux_layer_ids"]),
+        norm_before_residual=False,
+    )
 
 
 def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
@@ -41,11 +49,24 @@ def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
         tensors = flat_weights(dict(model.named_parameters()), d2t, t2d, spec)
     config = export_config(spec, {})
     reference = json.loads(REFERENCE.read_text())
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "draft_vocab_size", "vocab_size", "architectures", "model_type", "num_hidden_layers"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "draft_vocab_size",
+        "vocab_size",
+        "architectures",
+        "model_type",
+        "num_hidden_layers",
+    ):
         assert config[key] == reference[key], key
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == \
-        reference["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == config["eagle_aux_hidden_state_layer_ids"]
+    assert (
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        == reference["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        == config["eagle_aux_hidden_state_layer_ids"]
+    )
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     assert shapes == expected_shapes(config)
     assert shapes["midlayer.self_attn.q_proj.weight"] == (8192, 14336)
@@ -102,7 +123,11 @@ def test_gate_refuses_each_silent_fault(tiny_run, tmp_path, fault):
     proc = run_script(script("05_export.py"), "--check", str(bad), check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "export refused" in proc.stderr and "Traceback" not in proc.stderr
-    expected = {"no_head_dim": "head_dim missing", "no_d2t": "d2t missing", "aux_ids_shifted": "aux layer ids"}
+    expected = {
+        "no_head_dim": "head_dim missing",
+        "no_d2t": "d2t missing",
+        "aux_ids_shifted": "aux layer ids",
+    }
     assert expected[fault] in proc.stderr
 
 
@@ -155,3 +180,21 @@ def test_verifier_tensors_load_through_the_index_whatever_the_prefix(tmp_path):
     assert set(a) == set(b) == {"embed_tokens", "norm", "lm_head"}
     for k in a:
         torch.testing.assert_close(a[k], b[k])
+
+
+def test_nested_kimi_style_verifier_gives_the_same_aux_states(tmp_path):
+    """KimiK25ForConditionalGeneration wraps the text model (`text_config`, `language_model.` weights)."""
+    from eagle3_pipeline.tiny import build_verifier
+    from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model
+
+    states = []
+    for nest in (False, True):
+        path = build_verifier("deepseek_v3", tmp_path / str(nest), nest_as_kimi=nest)
+        model = load_verifier_model(path, torch.float32, trust_remote_code=False)
+        capture = AuxCapture(find_decoder_layers(model, 8), [2, 4, 5])
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[72, 101, 108, 108, 111]]), use_cache=False)
+        states.append(capture.pop(8))
+    assert "KimiK25" in type(model).__name__ or "Kimi_K25" in type(model).__name__
+    torch.testing.assert_close(states[0][0], states[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(states[0][1], states[1][1], rtol=0, atol=0)

@@ -18,9 +18,15 @@ def tokenizer(tiny_verifier):
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
-    row = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi?"},
-                        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
-                        {"role": "assistant", "content": "Goodbye."}]}
+    row = {
+        "messages": [
+            {"role": "system", "content": "Be kind."},
+            {"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye?"},
+            {"role": "assistant", "content": "Goodbye."},
+        ]
+    }
     _, messages = normalize_messages(row)
     ids, mask = tokenize_conversation(tokenizer, messages, 1024)
     spans, current = [], []
@@ -39,8 +45,12 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
 
 
 def test_sharegpt_and_openai_rows_give_the_same_sample(tokenizer):
-    a = normalize_messages({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]})
-    b = normalize_messages({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]})
+    a = normalize_messages(
+        {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}
+    )
+    b = normalize_messages(
+        {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    )
     assert tokenize_conversation(tokenizer, a[1], 100) == tokenize_conversation(tokenizer, b[1], 100)
 
 
@@ -50,22 +60,38 @@ def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
 
         def apply_chat_template(self, messages, tokenize, add_generation_prompt):
             n = len(messages)
-            return "".join(f"[{m['role']}{'' if i < n - 1 else '*'}]{m['content']}" for i, m in enumerate(messages))
+            return "".join(
+                f"[{m['role']}{'' if i < n - 1 else '*'}]{m['content']}" for i, m in enumerate(messages)
+            )
 
         def __call__(self, text, add_special_tokens):
             return {"input_ids": [ord(c) for c in text]}
 
-    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     with pytest.raises(RowRejected, match="prefix-stable"):
         tokenize_conversation(DropsHistory(), msgs, 100)
 
 
 def test_bad_input_corpus_every_row_written_or_rejected_with_reason(tiny_verifier, tmp_path):
     expected = json.loads((DATA / "bad_inputs.expected.json").read_text())
-    proc = run_script(script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_verifier), "--data-path",
-                      str(DATA / "bad_inputs.jsonl"), "--out-dir", str(tmp_path / "hs"), "--max-seq-len",
-                      str(expected["max_seq_len"]), "--samples-per-file", "4")
+    proc = run_script(
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(tiny_verifier),
+        "--data-path",
+        str(DATA / "bad_inputs.jsonl"),
+        "--out-dir",
+        str(tmp_path / "hs"),
+        "--max-seq-len",
+        str(expected["max_seq_len"]),
+        "--samples-per-file",
+        "4",
+    )
     assert "Traceback" not in proc.stderr
     shard = shard_of(tmp_path / "hs")
     meta = json.loads((shard / "meta.json").read_text())
@@ -83,8 +109,16 @@ def test_bad_input_corpus_every_row_written_or_rejected_with_reason(tiny_verifie
 def test_malformed_json_file_is_one_clear_error(tiny_verifier, tmp_path):
     bad = tmp_path / "data.json"
     bad.write_text('[{"messages": []}, ')
-    proc = run_script(script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_verifier), "--data-path",
-                      str(bad), "--out-dir", str(tmp_path / "hs"), check=False)
+    proc = run_script(
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(tiny_verifier),
+        "--data-path",
+        str(bad),
+        "--out-dir",
+        str(tmp_path / "hs"),
+        check=False,
+    )
     assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -92,29 +126,91 @@ def test_datasets_folder_is_read_like_jsonl(tiny_verifier, tmp_path):
     import datasets
 
     rows = read_jsonl(DATA / "conversations.jsonl")[:3]
-    ds = datasets.Dataset.from_list([{"id": r["id"], "messages": r["messages"]} for r in rows if "messages" in r])
+    ds = datasets.Dataset.from_list(
+        [{"id": r["id"], "messages": r["messages"]} for r in rows if "messages" in r]
+    )
     ds.save_to_disk(str(tmp_path / "ds"))
-    run_script(script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_verifier), "--data-path",
-               str(tmp_path / "ds"), "--out-dir", str(tmp_path / "hs"))
+    run_script(
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(tiny_verifier),
+        "--data-path",
+        str(tmp_path / "ds"),
+        "--out-dir",
+        str(tmp_path / "hs"),
+    )
     meta = json.loads((shard_of(tmp_path / "hs") / "meta.json").read_text())
     assert meta["num_samples"] == len(ds) and meta["num_rejected"] == 0
 
 
 def test_shard_from_other_layer_ids_or_verifier_is_refused(tiny_run, tiny_llama_verifier, tmp_path):
     conv = str(DATA / "conversations.jsonl")
-    run_script(script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_run / "verifier"), "--data-path",
-               conv, "--out-dir", str(tmp_path / "other_ids"), "--aux-layer-ids", "1", "3", "6",
-               "--start-row", "0", "--end-row", "2")
+    run_script(
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(tiny_run / "verifier"),
+        "--data-path",
+        conv,
+        "--out-dir",
+        str(tmp_path / "other_ids"),
+        "--aux-layer-ids",
+        "1",
+        "3",
+        "6",
+        "--start-row",
+        "0",
+        "--end-row",
+        "2",
+    )
     other = shard_of(tmp_path / "other_ids")
-    proc = run_script(script("02_build_vocab_mapping.py"), "--data-dir", str(tiny_run / "hidden_states"), str(other),
-                      "--out-dir", str(tmp_path / "v"), "--draft-vocab-size", "64", check=False)
+    proc = run_script(
+        script("02_build_vocab_mapping.py"),
+        "--data-dir",
+        str(tiny_run / "hidden_states"),
+        str(other),
+        "--out-dir",
+        str(tmp_path / "v"),
+        "--draft-vocab-size",
+        "64",
+        check=False,
+    )
     assert proc.returncode == 2 and str(other / "meta.json") in proc.stderr and "aux_layer_ids" in proc.stderr
     # training refuses shards whose layer ids differ from the vocab mapping's source
-    proc = run_script(script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--data-dir", str(other),
-                      "--split-dir", "", "--out-dir", str(tmp_path / "t"), "--max-steps", "1", check=False)
+    proc = run_script(
+        script("04_train.py"),
+        "--config",
+        str(tiny_run / "tiny.toml"),
+        "--data-dir",
+        str(other),
+        "--split-dir",
+        "",
+        "--out-dir",
+        str(tmp_path / "t"),
+        "--max-steps",
+        "1",
+        check=False,
+    )
     assert proc.returncode == 2 and "aux_layer_ids" in proc.stderr and "Traceback" not in proc.stderr
-    run_script(script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_llama_verifier), "--data-path",
-               conv, "--out-dir", str(tmp_path / "llama"), "--start-row", "0", "--end-row", "2")
-    proc = run_script(script("03_split_data.py"), "--data-dir", str(tiny_run / "hidden_states"),
-                      str(tmp_path / "llama"), "--out-dir", str(tmp_path / "s"), check=False)
+    run_script(
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(tiny_llama_verifier),
+        "--data-path",
+        conv,
+        "--out-dir",
+        str(tmp_path / "llama"),
+        "--start-row",
+        "0",
+        "--end-row",
+        "2",
+    )
+    proc = run_script(
+        script("03_split_data.py"),
+        "--data-dir",
+        str(tiny_run / "hidden_states"),
+        str(tmp_path / "llama"),
+        "--out-dir",
+        str(tmp_path / "s"),
+        check=False,
+    )
     assert proc.returncode == 2 and "another verifier" in proc.stderr

@@ -14,7 +14,9 @@ def test_smoke_training_loss_falls_and_val_acc_rises_above_untrained(tiny_run):
     log = read_jsonl(tiny_run / "train" / "train_log.jsonl")
     assert log[-1]["loss"] < 0.5 * log[0]["loss"], (log[0], log[-1])
     best = json.loads((tiny_run / "train" / "checkpoints" / "best.json").read_text())
-    info = json.loads((tiny_run / "train" / "checkpoints" / best["checkpoint"] / "checkpoint.json").read_text())
+    info = json.loads(
+        (tiny_run / "train" / "checkpoints" / best["checkpoint"] / "checkpoint.json").read_text()
+    )
     untrained, val = info["history"]["untrained"], info["val"]
     assert val["acc_0"] > untrained["acc_0"] + 0.2, (untrained, val)
     assert val["acceptance_length"] > untrained["acceptance_length"]
@@ -45,8 +47,18 @@ def test_captured_aux_states_are_hf_hidden_states(tiny_run):
 def test_stage_outputs_carry_what_the_next_stage_reads(tiny_run):
     shard = shard_of(tiny_run / "hidden_states")
     meta = json.loads((shard / "meta.json").read_text())
-    for key in ("verifier", "aux_layer_ids", "hidden_size", "dtype", "num_samples", "num_rejected", "num_tokens",
-                "manifest_sha256", "versions", "config"):
+    for key in (
+        "verifier",
+        "aux_layer_ids",
+        "hidden_size",
+        "dtype",
+        "num_samples",
+        "num_rejected",
+        "num_tokens",
+        "manifest_sha256",
+        "versions",
+        "config",
+    ):
         assert key in meta, key
     assert meta["aux_layer_ids"] == [2, 4, 5]  # (2, N//2, N-3) for the 8-layer tiny verifier
     manifest = json.loads((shard / "manifest.json").read_text())
@@ -73,8 +85,16 @@ def test_missing_meta_field_is_refused_naming_the_file(tiny_run, tmp_path):
     meta = json.loads((shard / "meta.json").read_text())
     del meta["aux_layer_ids"]
     (shard / "meta.json").write_text(json.dumps(meta))
-    proc = run_script(script("02_build_vocab_mapping.py"), "--data-dir", str(shard), "--out-dir",
-                      str(tmp_path / "vocab"), "--draft-vocab-size", "64", check=False)
+    proc = run_script(
+        script("02_build_vocab_mapping.py"),
+        "--data-dir",
+        str(shard),
+        "--out-dir",
+        str(tmp_path / "vocab"),
+        "--draft-vocab-size",
+        "64",
+        check=False,
+    )
     assert proc.returncode == 2
     assert "meta.json" in proc.stderr and "aux_layer_ids" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -83,18 +103,29 @@ def test_exported_files_follow_the_vllm_contract(tiny_run):
     config = json.loads((tiny_run / "draft" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["head_dim"] == 128 != config["hidden_size"] // config["num_attention_heads"]
-    assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"]
+        == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
     assert config["norm_before_residual"] is False and config["norm_before_fc"] is False
     tensors = load_file(str(tiny_run / "draft" / "model.safetensors"))
     assert not any(k.startswith("model.") or k.endswith(".bias") for k in tensors)
     assert "embed_tokens.weight" not in tensors
-    assert tensors["d2t"].dtype == torch.int64 and tensors["midlayer.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert (
+        tensors["d2t"].dtype == torch.int64
+        and tensors["midlayer.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    )
     assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * 128, 2 * 256)
 
 
 def test_stage_rerun_is_a_logged_skip(tiny_run):
     cfg = str(tiny_run / "tiny.toml")
-    for stage in ("01_extract_hidden_states.py", "02_build_vocab_mapping.py", "03_split_data.py", "05_export.py"):
+    for stage in (
+        "01_extract_hidden_states.py",
+        "02_build_vocab_mapping.py",
+        "03_split_data.py",
+        "05_export.py",
+    ):
         proc = run_script(script(stage), "--config", cfg)
         assert "skip:" in proc.stderr, (stage, proc.stderr[-500:])
 
@@ -126,3 +157,21 @@ def test_command_line_overrides_config_file(tmp_path):
 
 def test_conversations_file_is_the_shipped_ten():
     assert len(read_jsonl(CONVERSATIONS)) == 10
+
+
+def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path):
+    """The same script under torchrun (gloo on CPU here, NCCL on GPUs): rank 0 logs and saves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", script("04_train.py"), "--config",
+                           str(tiny_run / "tiny.toml"), "--out-dir", str(tmp_path / "ddp"), "--max-steps", "3",
+                           "--save-every", "3", "--log-every", "1"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] step 3/3" in proc.stderr and "[rank 1] step" not in proc.stderr
+    assert (tmp_path / "ddp" / "checkpoints" / "step_000003" / "COMPLETE").exists()

@@ -16,8 +16,14 @@ from conftest import DATA, REPO, run_script, script, shard_of
 
 def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout_s: float = 600) -> None:
@@ -35,8 +41,17 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path):
-    args = [script("01_extract_hidden_states.py"), "--verifier-path", str(tiny_verifier), "--data-path",
-            str(DATA / "conversations.jsonl"), "--out-dir", "hs", "--samples-per-file", "2"]
+    args = [
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(tiny_verifier),
+        "--data-path",
+        str(DATA / "conversations.jsonl"),
+        "--out-dir",
+        "hs",
+        "--samples-per-file",
+        "2",
+    ]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     run_script(*args, cwd=tmp_path / "a")  # uninterrupted
@@ -59,11 +74,27 @@ def test_corrupt_byte_in_shard_is_refused_by_stages_02_to_04(tiny_run, tmp_path)
     data[len(data) // 2] ^= 0x01
     part.write_bytes(bytes(data))
     commands = {
-        "02": [script("02_build_vocab_mapping.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "v"),
-               "--draft-vocab-size", "64"],
+        "02": [
+            script("02_build_vocab_mapping.py"),
+            "--data-dir",
+            str(shard),
+            "--out-dir",
+            str(tmp_path / "v"),
+            "--draft-vocab-size",
+            "64",
+        ],
         "03": [script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s")],
-        "04": [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--data-dir", str(shard),
-               "--out-dir", str(tmp_path / "t"), "--max-steps", "1"],
+        "04": [
+            script("04_train.py"),
+            "--config",
+            str(tiny_run / "tiny.toml"),
+            "--data-dir",
+            str(shard),
+            "--out-dir",
+            str(tmp_path / "t"),
+            "--max-steps",
+            "1",
+        ],
     }
     for stage, cmd in commands.items():
         proc = run_script(*cmd, check=False)
@@ -77,15 +108,32 @@ def test_truncated_part_file_is_refused_naming_it(tiny_run, tmp_path):
     shutil.copytree(shard_of(tiny_run / "hidden_states"), shard)
     part = shard / "part-00000.safetensors"
     part.write_bytes(part.read_bytes()[:1000])
-    proc = run_script(script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s"),
-                      check=False)
+    proc = run_script(
+        script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s"), check=False
+    )
     assert proc.returncode == 2 and str(part) in proc.stderr and "truncated" in proc.stderr
 
 
 def _train_args(tiny_run: Path, out: Path) -> list[str]:
-    return [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir", str(out),
-            "--max-steps", "12", "--save-every", "4", "--eval-every", "4", "--log-every", "1", "--keep-last", "10",
-            "--val-max-samples", "1"]
+    return [
+        script("04_train.py"),
+        "--config",
+        str(tiny_run / "tiny.toml"),
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "12",
+        "--save-every",
+        "4",
+        "--eval-every",
+        "4",
+        "--log-every",
+        "1",
+        "--keep-last",
+        "10",
+        "--val-max-samples",
+        "1",
+    ]
 
 
 def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_run, tmp_path):
@@ -94,7 +142,10 @@ def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_r
     log = tmp_path / "killed" / "train_log.jsonl"
 
     def past_first_checkpoint() -> bool:  # killed at step 5 or 6: after step_000004, before step_000008
-        if not (tmp_path / "killed" / "checkpoints" / "step_000004" / "COMPLETE").exists() or not log.exists():
+        if (
+            not (tmp_path / "killed" / "checkpoints" / "step_000004" / "COMPLETE").exists()
+            or not log.exists()
+        ):
             return False
         return any(json.loads(x)["step"] >= 5 for x in log.read_text().splitlines() if x.strip())
 
@@ -123,7 +174,16 @@ def test_export_refused_leaves_the_good_export_in_place(tiny_run, tmp_path):
     out = tmp_path / "draft"
     shutil.copytree(tiny_run / "draft", out)
     before = _tree_bytes(out)
-    proc = run_script(script("05_export.py"), "--train-dir", str(tiny_run / "train"), "--out-dir", str(out),
-                      "--overwrite", "--checkpoint", "step_999999", check=False)
+    proc = run_script(
+        script("05_export.py"),
+        "--train-dir",
+        str(tiny_run / "train"),
+        "--out-dir",
+        str(out),
+        "--overwrite",
+        "--checkpoint",
+        "step_999999",
+        check=False,
+    )
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
     assert _tree_bytes(out) == before

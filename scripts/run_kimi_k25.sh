@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The real run for Kimi-K2.5, stage by stage, with the extraction shard loop. Edit configs/kimi_k25.toml
+# first (verifier and data paths). Every stage is resumable and a finished one is a logged skip, so after
+# an interruption just run this again.
+#   NUM_ROWS=600000 SHARD_ROWS=2000 bash scripts/run_kimi_k25.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${CONFIG:-configs/kimi_k25.toml}
+PY=${PYTHON:-.venv/bin/python}
+NUM_ROWS=${NUM_ROWS:?set NUM_ROWS to the number of conversations}
+SHARD_ROWS=${SHARD_ROWS:-2000}
+GPUS=${GPUS:-8}
+
+for ((start = 0; start < NUM_ROWS; start += SHARD_ROWS)); do
+  "$PY" 01_extract_hidden_states.py --config "$CONFIG" --start-row "$start" --end-row $((start + SHARD_ROWS))
+done
+"$PY" 02_build_vocab_mapping.py --config "$CONFIG"
+"$PY" 03_split_data.py --config "$CONFIG"
+"$(dirname "$PY")/torchrun" --nproc-per-node "$GPUS" 04_train.py --config "$CONFIG"
+"$PY" 05_export.py --config "$CONFIG"
+"$PY" 06_evaluate.py --config "$CONFIG"
