@@ -137,7 +137,42 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
                     f"{path}: sha256 mismatch with manifest.json (corrupt file); "
                     "re-extract the shard with --overwrite"
                 )
+            _check_part_layout(path, meta, [s["num_tokens"] for s in f["samples"]])
     return meta
+
+
+_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) -> None:
+    """Tensor shapes and dtypes of a part file against meta.json and the manifest's token counts."""
+    from safetensors import safe_open
+
+    n_tok, n_aux, hidden = sum(num_tokens), len(meta["aux_layer_ids"]), meta["hidden_size"]
+    want = {
+        "input_ids": [n_tok],
+        "loss_mask": [n_tok],
+        "aux_hidden_states": [n_tok, n_aux, hidden],
+        "last_hidden_state": [n_tok, hidden],
+        "offsets": [len(num_tokens) + 1],
+    }
+    with safe_open(str(path), "pt") as f:
+        for name, shape in want.items():
+            if name not in f.keys():
+                raise UserError(f"{path}: no tensor {name!r}; re-extract the shard with --overwrite")
+            got = f.get_slice(name).get_shape()
+            if list(got) != shape:
+                raise UserError(
+                    f"{path}: {name} has shape {list(got)}, meta.json and manifest.json say "
+                    f"{shape}; re-extract the shard with --overwrite"
+                )
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            dtype = f.get_slice(name).get_dtype()
+            if dtype != _SAFETENSORS_DTYPE.get(meta["dtype"], meta["dtype"]):
+                raise UserError(f"{path}: {name} is {dtype}, meta.json says {meta['dtype']}")
+        lengths = (f.get_tensor("offsets").diff()).tolist()
+        if lengths != num_tokens:
+            raise UserError(f"{path}: sample lengths {lengths} differ from manifest.json's {num_tokens}")
 
 
 def _check_same(shard: Path, meta: dict[str, Any], ref: dict[str, Any], ref_name: str) -> None:

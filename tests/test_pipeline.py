@@ -168,10 +168,29 @@ def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path):
 
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", script("04_train.py"), "--config",
-                           str(tiny_run / "tiny.toml"), "--out-dir", str(tmp_path / "ddp"), "--max-steps", "3",
-                           "--save-every", "3", "--log-every", "1"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            script("04_train.py"),
+            "--config",
+            str(tiny_run / "tiny.toml"),
+            "--out-dir",
+            str(tmp_path / "ddp"),
+            "--max-steps",
+            "3",
+            "--save-every",
+            "3",
+            "--log-every",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0] step 3/3" in proc.stderr and "[rank 1] step" not in proc.stderr
     assert (tmp_path / "ddp" / "checkpoints" / "step_000003" / "COMPLETE").exists()

@@ -187,3 +187,24 @@ def test_export_refused_leaves_the_good_export_in_place(tiny_run, tmp_path):
     )
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
     assert _tree_bytes(out) == before
+
+
+def test_export_killed_midway_leaves_the_good_export_in_place(tiny_run, tmp_path):
+    out = tmp_path / "draft"
+    shutil.copytree(tiny_run / "draft", out)
+    before = _tree_bytes(out)
+    args = [
+        script("05_export.py"),
+        "--train-dir",
+        str(tiny_run / "train"),
+        "--out-dir",
+        str(out),
+        "--overwrite",
+        "--checkpoint",
+        "latest",
+    ]
+    proc = _popen(args, REPO)
+    _kill_when(proc, lambda: (tmp_path / "draft.tmp" / "model.safetensors").exists())
+    assert _tree_bytes(out) == before
+    run_script(*args)
+    assert (out / "COMPLETE").exists() and not (tmp_path / "draft.tmp").exists()
