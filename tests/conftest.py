@@ -61,11 +61,9 @@ def tiny_llama_verifier(tmp_path_factory) -> Path:
     return build_verifier("llama", tmp_path_factory.mktemp("verifier") / "llama")
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
-    """scripts/run_tiny.sh on configs/tiny.toml, every stage, in a temp folder; returns that folder."""
-    root = tmp_path_factory.mktemp("tiny_run")
-    cfg = moved_config(REPO / "configs" / "tiny.toml", "runs/tiny", root, root / "tiny.toml")
+def run_tiny_pipeline(config_name: str, old_root: str, root: Path) -> Path:
+    """scripts/run_tiny.sh on configs/<config_name> with its run folder moved to `root`; returns root."""
+    cfg = moved_config(REPO / "configs" / config_name, old_root, root, root / config_name)
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / "run_tiny.sh"), str(cfg)],
@@ -78,6 +76,12 @@ def tiny_run(tmp_path_factory) -> Path:
     (root / "run.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """Every stage on configs/tiny.toml (tiny DeepSeek-V3 verifier) in a temp folder."""
+    return run_tiny_pipeline("tiny.toml", "runs/tiny", tmp_path_factory.mktemp("tiny_run"))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -170,25 +170,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_130(tiny_run, tmp_path):
     assert ckpts and "signal 15" in proc.stderr.read()
 
 
-def test_export_refused_leaves_the_good_export_in_place(tiny_run, tmp_path):
-    out = tmp_path / "draft"
-    shutil.copytree(tiny_run / "draft", out)
-    before = _tree_bytes(out)
-    proc = run_script(
-        script("05_export.py"),
-        "--train-dir",
-        str(tiny_run / "train"),
-        "--out-dir",
-        str(out),
-        "--overwrite",
-        "--checkpoint",
-        "step_999999",
-        check=False,
-    )
-    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
-    assert _tree_bytes(out) == before
-
-
 def test_export_killed_midway_leaves_the_good_export_in_place(tiny_run, tmp_path):
     out = tmp_path / "draft"
     shutil.copytree(tiny_run / "draft", out)

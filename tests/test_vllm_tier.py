@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, REPO, moved_config, run_script, script
+from conftest import CONVERSATIONS, run_script, run_tiny_pipeline, script
 from sabotage import SABOTAGES
 
 from eagle3_pipeline import vllm_engine
@@ -31,25 +29,11 @@ NUM_PROMPTS, MAX_NEW_TOKENS, K = 6, 64, 3
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory) -> Path:
     """scripts/run_tiny.sh on configs/tiny_llama.toml, plus the untrained (init) export beside it."""
-    root = tmp_path_factory.mktemp("tiny_llama_run")
-    cfg = moved_config(
-        REPO / "configs" / "tiny_llama.toml", "runs/tiny_llama", root, root / "tiny_llama.toml"
-    )
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "run_tiny.sh"), str(cfg)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    (root / "run.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    root = run_tiny_pipeline("tiny_llama.toml", "runs/tiny_llama", tmp_path_factory.mktemp("tiny_llama_run"))
     run_script(
         script("05_export.py"),
         "--config",
-        str(cfg),
+        str(root / "tiny_llama.toml"),
         "--checkpoint",
         "init",
         "--out-dir",
