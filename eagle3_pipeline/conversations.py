@@ -87,7 +87,7 @@ def _parse_line(index: int, line: bytes) -> RawRow:
     try:
         return RawRow(index, json.loads(text))
     except json.JSONDecodeError as e:
-        return RawRow(index, error=f"malformed JSON ({e.msg} at column {e.colno})")
+        return RawRow(index, error=f"malformed JSON: {e.msg} (column {e.colno})")
 
 
 def _load_json_list(path: Path) -> list[Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,6 +45,7 @@ from eagle3_pipeline.verifier import (
 log = logging.getLogger("eagle3.extract")
 
 SHARD_FORMAT = "eagle3-hidden-states/1"
+MAX_REJECTS_LOGGED_PER_PART = 5  # the rest are only in rejects.jsonl (600k rows could flood the log)
 RUN_FILE = "run.json"  # the settings a shard was started with; a resume must match them
 
 
@@ -157,6 +159,7 @@ def _extract_parts(
     capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
     device = next(model.parameters()).device
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
+    line_note = " (line {})" if Path(cfg.data_path).suffix == ".jsonl" else ""
     t0, rows_done, tokens_done = time.time(), 0, 0
     try:
         for n, (a, b) in todo:
@@ -173,6 +176,14 @@ def _extract_parts(
                     ids, mask = tokenize_conversation(tokenizer, messages, cfg.max_seq_len)
                 except RowRejected as e:
                     rejects.append({"row": raw.index, "reason": str(e)})
+                    if len(rejects) <= MAX_REJECTS_LOGGED_PER_PART:
+                        log.warning(
+                            "%s row %d%s: rejected: %s",
+                            cfg.data_path,
+                            raw.index,
+                            line_note.format(raw.index + 1),
+                            e,
+                        )
                     continue
                 seen[sample_id] = raw.index
                 with torch.no_grad():
@@ -289,7 +300,7 @@ def _finish_shard(
     )
     if rejects:
         reasons: dict[str, int] = {}
-        for r in rejects:
-            key = r["reason"].split(" (")[0]
+        for r in rejects:  # "turn 3 (assistant) is empty" -> "turn N is empty"
+            key = re.sub(r"(?<![\w-])\d+(?![\w-])", "N", re.sub(r"\s*\([^)]*\)", "", r["reason"]))
             reasons[key] = reasons.get(key, 0) + 1
         log.warning("rejected rows by reason: %s", json.dumps(reasons))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -60,7 +61,8 @@ def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path)
     _kill_when(proc, lambda: (shard_b / "part-00001.json").exists())
     assert not (shard_b / "COMPLETE").exists()
     rerun = run_script(*args, cwd=tmp_path / "b")
-    assert "3 to do" in rerun.stderr or "2 to do" in rerun.stderr, rerun.stderr[-1500:]
+    to_do = int(re.search(r"(\d+) to do", rerun.stderr).group(1))
+    assert 0 < to_do < 5, rerun.stderr[-1500:]  # finished parts were skipped, the rest redone
     a, b = _tree_bytes(tmp_path / "a" / "hs"), _tree_bytes(tmp_path / "b" / "hs")
     assert sorted(a) == sorted(b)
     assert a == b
@@ -152,7 +154,7 @@ def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_r
     _kill_when(proc, past_first_checkpoint)
     assert not (tmp_path / "killed" / "checkpoints" / "step_000012").exists()
     resumed = run_script(*_train_args(tiny_run, tmp_path / "killed"))
-    assert "resumed from" in resumed.stderr and "step_000004" in resumed.stderr
+    assert re.search(r"resumed from .*step_0000(04|08)", resumed.stderr), resumed.stderr[-1500:]
     final = "checkpoints/step_000012/model.safetensors"
     assert (tmp_path / "straight" / final).read_bytes() == (tmp_path / "killed" / final).read_bytes()
 
