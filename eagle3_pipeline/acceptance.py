@@ -83,7 +83,7 @@ def simulate_sequence(
 
 
 def verifier_greedy_with_aux(
-    model: Any, capture: Any, num_layers: int, prompt: list[int], max_new_tokens: int
+    model: Any, capture: Any, prompt: list[int], max_new_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt + greedy continuation, aux states of every position of it) from the Hugging Face verifier."""
     from transformers import GenerationConfig
@@ -98,5 +98,5 @@ def verifier_greedy_with_aux(
         capture.states.clear()
         seq = out[0]
         model(input_ids=seq[None], use_cache=False)
-    aux, _ = capture.pop(num_layers)
+    aux, _ = capture.pop()
     return seq.cpu(), aux.flatten(1).float().cpu()

@@ -52,6 +52,11 @@ class ExtractConfig:
     )
     max_seq_len: int = _f(4096, "Rows whose templated conversation is longer are rejected (rejects.jsonl).")
     samples_per_file: int = _f(64, "Samples per safetensors part file (the unit of resume).")
+    max_batch_tokens: int = _f(
+        4096,
+        "Padded tokens per verifier forward (batch x longest sequence, longest first); a longer sample runs "
+        "alone. On CPU 1024-4096 measured best (benchmarks/extract_batching.py); on GPUs raise it to fill memory.",
+    )
     dtype: str = _f(
         "auto", "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."
     )

@@ -78,9 +78,7 @@ def simulate(
     outputs = []
     try:
         for prompt in progress(prompts, desc="simulate", unit="prompt"):
-            seq, aux = verifier_greedy_with_aux(
-                model, capture, facts.num_hidden_layers, prompt, max_new_tokens
-            )
+            seq, aux = verifier_greedy_with_aux(model, capture, prompt, max_new_tokens)
             simulate_sequence(draft, aux, seq, len(prompt), k, counts)
             outputs.append(seq[len(prompt) :].tolist())
     finally:

@@ -157,14 +157,14 @@ def _extract_parts(
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     model = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
     capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
-    device = next(model.parameters()).device
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
     line_note = " (line {})" if Path(cfg.data_path).suffix == ".jsonl" else ""
     t0, rows_done, tokens_done = time.time(), 0, 0
     try:
         for n, (a, b) in todo:
             seen = _seen_ids(shard, blocks, n)
-            samples, rejects, tensors = [], [], {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
+            samples, rejects, accepted = [], [], []
+            tensors: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
             for raw in read_rows(Path(cfg.data_path), a, b, cfg.data_split):
                 try:
                     if raw.error:
@@ -186,20 +186,16 @@ def _extract_parts(
                         )
                     continue
                 seen[sample_id] = raw.index
-                with torch.no_grad():
-                    model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-                aux, last = capture.pop(num_layers)
+                accepted.append((raw.index, sample_id, ids, mask))
+            for (row, sample_id, ids, mask), (aux, last) in zip(
+                accepted, _forward_batched(model, capture, [x[2] for x in accepted], cfg.max_batch_tokens)
+            ):
                 tensors["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
                 tensors["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
                 tensors["aux"].append(aux.to("cpu", dtype))
                 tensors["last"].append(last.to("cpu", dtype))
                 samples.append(
-                    {
-                        "id": sample_id,
-                        "row": raw.index,
-                        "num_tokens": len(ids),
-                        "num_loss_tokens": int(sum(mask)),
-                    }
+                    {"id": sample_id, "row": row, "num_tokens": len(ids), "num_loss_tokens": int(sum(mask))}
                 )
                 tokens_done += len(ids)
             _write_part(shard, n, samples, rejects, tensors, (a, b))
@@ -219,6 +215,40 @@ def _extract_parts(
     finally:
         bar.close()
         capture.remove()
+
+
+def _forward_batched(
+    model: Any, capture: AuxCapture, sequences: list[list[int]], max_batch_tokens: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(aux [T, n_aux, H], last [T, H]) per sequence, in input order.
+
+    Sequences run longest first in right-padded batches of at most max_batch_tokens padded tokens (a
+    longer sequence runs alone), so similar lengths share a batch and little is padding. Right padding
+    leaves the real tokens' states unchanged: attention is causal and positions start at 0 in every row.
+    """
+    device = next(model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    results: list[Any] = [None] * len(sequences)
+    start = 0
+    while start < len(order):
+        width = len(sequences[order[start]])  # the longest of the batch: sorted descending
+        end = start + 1
+        while end < len(order) and (end + 1 - start) * width <= max_batch_tokens:
+            end += 1
+        batch = order[start:end]
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            attention[row, : len(sequences[i])] = 1
+        with torch.no_grad():
+            model(input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False)
+        aux, last = capture.pop_batch()
+        for row, i in enumerate(batch):
+            n = len(sequences[i])
+            results[i] = (aux[row, :n], last[row, :n])
+        start = end
+    return results
 
 
 def _write_part(

@@ -127,6 +127,7 @@ class AuxCapture:
     def __init__(self, layers: torch.nn.ModuleList, aux_layer_ids: list[int]):
         self.aux_layer_ids = aux_layer_ids
         self.states: dict[int, torch.Tensor] = {}
+        self.last_layer_id = len(layers)
         wanted = sorted(set(aux_layer_ids) | {len(layers)})
         self.handles = [layers[i - 1].register_forward_hook(self._hook(i)) for i in wanted]
 
@@ -137,12 +138,17 @@ class AuxCapture:
 
         return hook
 
-    def pop(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T, n_aux, H] aux states, [T, H] last hidden state) of the single sequence just run."""
-        aux = torch.stack([self.states[i][0] for i in self.aux_layer_ids], dim=1)
-        last = self.states[num_layers][0]
+    def pop_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T, n_aux, H] aux states, [B, T, H] last hidden state) of the batch just run."""
+        aux = torch.stack([self.states[i] for i in self.aux_layer_ids], dim=2)
+        last = self.states[self.last_layer_id]
         self.states.clear()
         return aux, last
+
+    def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, n_aux, H], [T, H]) of the single sequence just run."""
+        aux, last = self.pop_batch()
+        return aux[0], last[0]
 
     def remove(self) -> None:
         for h in self.handles:

@@ -194,3 +194,32 @@ def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0] step 3/3" in proc.stderr and "[rank 1] step" not in proc.stderr
     assert (tmp_path / "ddp" / "checkpoints" / "step_000003" / "COMPLETE").exists()
+
+
+def test_batched_extraction_equals_one_sequence_at_a_time(tiny_verifier, tmp_path):
+    """Right-padded batches must leave every real token's states as a batch of one computes them."""
+    from conftest import DATA
+
+    for name, tokens in (("one", "1"), ("batched", "100000")):
+        run_script(
+            script("01_extract_hidden_states.py"),
+            "--verifier-path",
+            str(tiny_verifier),
+            "--data-path",
+            str(DATA / "conversations.jsonl"),
+            "--out-dir",
+            str(tmp_path / name),
+            "--end-row",
+            "6",
+            "--samples-per-file",
+            "6",
+            "--max-batch-tokens",
+            tokens,
+        )
+    one = load_file(str(shard_of(tmp_path / "one") / "part-00000.safetensors"))
+    batched = load_file(str(shard_of(tmp_path / "batched") / "part-00000.safetensors"))
+    assert torch.equal(one["input_ids"], batched["input_ids"]) and torch.equal(
+        one["offsets"], batched["offsets"]
+    )
+    for key in ("aux_hidden_states", "last_hidden_state"):
+        torch.testing.assert_close(one[key], batched[key], rtol=1e-4, atol=1e-4)
