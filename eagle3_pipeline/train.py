@@ -193,7 +193,8 @@ def validate(
 
 
 class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint at the next step boundary and exits."""
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint at the next step boundary and exits.
+    A second signal stops at once (the last complete checkpoint still counts)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -201,7 +202,20 @@ class StopFlag:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
         self.signum = signum
+        log.warning("signal %d: finishing this step, then saving a checkpoint (again to stop now)", signum)
+
+    def agreed(self, dist: Dist, device: torch.device) -> bool:
+        """Whether any rank was signalled: all ranks must stop at the same step or the barrier hangs."""
+        if not dist.enabled:
+            return self.signum is not None
+        flag = torch.tensor([0 if self.signum is None else self.signum], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and self.signum is None:
+            self.signum = int(flag.item())
+        return bool(flag.item())
 
 
 def run(cfg: TrainConfig) -> int:
@@ -260,13 +274,15 @@ def run(cfg: TrainConfig) -> int:
         meta_path = out_dir / storage.META_NAME
         if resume_from is not None and meta_path.exists():
             old = storage.read_json(meta_path)
-            if (
-                old["draft"] != run_meta["draft"]
-                or old["vocab_mapping_sha256"] != run_meta["vocab_mapping_sha256"]
-            ):
+            changed = [
+                k
+                for k in ("draft", "vocab_mapping_sha256", "shards", "num_train", "ttt_steps")
+                if old.get(k) != run_meta[k]
+            ]
+            if changed:
                 raise UserError(
-                    f"{meta_path}: the checkpoints in {ckpt_root} were trained with another draft "
-                    "shape or vocab mapping; use another --out-dir or --overwrite"
+                    f"{meta_path}: the checkpoints in {ckpt_root} were trained with other {', '.join(changed)}; "
+                    "an exact resume needs the same; use another --out-dir or --overwrite"
                 )
         storage.write_json_atomic(
             meta_path, {**run_meta, "config": config_to_dict(cfg), "versions": storage.versions()}
@@ -390,9 +406,10 @@ def run(cfg: TrainConfig) -> int:
                 val = validate(ddp_model, val_loader, cfg, device, autocast_dtype, dist)
                 history[f"step_{step}"] = val
                 _log_val(step, val, "val")
-            if step % cfg.save_every == 0 or last or stop.signum is not None:
+            stopping = stop.agreed(dist, device)
+            if step % cfg.save_every == 0 or last or stopping:
                 _save(ckpt_root, step, model, names, optimizer, scheduler, val, history, cfg, dist)
-            if stop.signum is not None:
+            if stopping:
                 log.warning(
                     "signal %d: checkpoint saved at step %d; rerun the same command to resume",
                     stop.signum,
