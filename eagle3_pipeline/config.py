@@ -62,8 +62,8 @@ class ExtractConfig:
     )
     trust_remote_code: bool = _f(
         False,
-        "Allow the verifier's own modelling code (a Kimi-K2.5 checkpoint "
-        "loads natively with transformers>=5.19; set only if needed).",
+        "Allow the verifier's own code: Kimi-K2.5's tiktoken tokenizer needs it (its model also loads "
+        "natively with transformers 5.19).",
     )
     overwrite: bool = _f(False, "Redo a shard that is already complete.")
 
@@ -161,6 +161,9 @@ class EvaluateConfig:
     engine: str = _f("sim", "sim (this project's PyTorch simulation of vLLM's EAGLE-3 chain) or vllm.")
     vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
     out_dir: str | None = _f(None, "Where to write acceptance.json (default: the draft folder).")
+    trust_remote_code: bool = _f(
+        False, "Allow the verifier's own code (Kimi-K2.5's tiktoken tokenizer needs it)."
+    )
 
 
 STAGE_CONFIGS = {

@@ -60,7 +60,12 @@ def build_prompts(tokenizer: Any, data_path: Path, start: int, n: int) -> list[l
 
 
 def simulate(
-    verifier_path: Path, draft_dir: Path, prompts: list[list[int]], max_new_tokens: int, k: int
+    verifier_path: Path,
+    draft_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    trust_remote_code: bool = False,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """(acceptance summary, greedy continuations) from the simulation."""
     facts = verifier_facts(verifier_path)
@@ -71,7 +76,7 @@ def simulate(
     model = load_verifier_model(
         verifier_path,
         torch.float32 if not torch.cuda.is_available() else torch.bfloat16,
-        trust_remote_code=False,
+        trust_remote_code=trust_remote_code,
     )
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), draft.aux_layer_ids)
     counts = AcceptanceCounts(k)
@@ -114,7 +119,7 @@ def run(cfg: EvaluateConfig) -> int:
     verifier_path = Path(
         cfg.verifier_path or storage.read_json(draft_dir / "export_meta.json")["verifier_path"]
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(verifier_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     prompts = build_prompts(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts)
     k = cfg.num_speculative_tokens
     result: dict[str, Any] = {
@@ -128,11 +133,19 @@ def run(cfg: EvaluateConfig) -> int:
     }
     greedy = None
     if cfg.engine in ("sim", "both"):
-        result["sim"], greedy = simulate(verifier_path, draft_dir, prompts, cfg.max_new_tokens, k)
+        result["sim"], greedy = simulate(
+            verifier_path, draft_dir, prompts, cfg.max_new_tokens, k, cfg.trust_remote_code
+        )
         _log("sim", result["sim"])
     if cfg.engine in ("vllm", "both"):
         result["vllm"] = vllm_engine.generate(
-            verifier_path, draft_dir, prompts, cfg.max_new_tokens, k, cfg.vllm_python
+            verifier_path,
+            draft_dir,
+            prompts,
+            cfg.max_new_tokens,
+            k,
+            cfg.vllm_python,
+            trust_remote_code=cfg.trust_remote_code,
         )
         _log("vllm", result["vllm"])
     if cfg.engine == "both":

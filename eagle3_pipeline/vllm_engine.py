@@ -45,8 +45,15 @@ def generate(
     k: int,
     python: str | Path | None = None,
     timeout_s: int = 1800,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Greedy generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs."""
+    """Greedy generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs.
+
+    fp32 on CPU (the tiny CI models; this CPU has no fast bf16), the checkpoint's dtype and every visible
+    GPU (tensor parallel) on a GPU box."""
+    import torch
+
+    gpus = torch.cuda.device_count()
     ok, why = available(python)
     if not ok:
         raise UserError(f"vLLM engine unavailable: {why}")
@@ -61,7 +68,9 @@ def generate(
                     "prompts": prompts,
                     "max_new_tokens": max_new_tokens,
                     "num_speculative_tokens": k,
-                    "dtype": "float32",
+                    "dtype": "auto" if gpus else "float32",
+                    "tensor_parallel_size": max(gpus, 1),
+                    "trust_remote_code": trust_remote_code,
                 }
             )
         )
