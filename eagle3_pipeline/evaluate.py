@@ -8,7 +8,6 @@ output token for token, and the per-position acceptance rates agree within `RATE
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -179,6 +178,3 @@ def _log(engine: str, s: dict[str, Any]) -> None:
         s["num_drafts"],
     )
 
-
-def load_result(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
