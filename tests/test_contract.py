@@ -166,6 +166,23 @@ def test_wrong_shape_is_refused_before_writing(tiny_run, tmp_path):
     assert any("model." in p for p in problems) and any("fc.weight missing" in p for p in problems)
 
 
+def test_wrong_d2t_offsets_or_dtype_are_refused(tiny_run):
+    """A d2t that loads fine but maps one draft id to another target token is caught."""
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.export import static_problems
+
+    config = json.loads((tiny_run / "draft" / "config.json").read_text())
+    tensors = load_file(str(tiny_run / "draft" / "model.safetensors"))
+    meta = json.loads((tiny_run / "train" / "meta.json").read_text())
+    expect = {"draft": meta["draft"], "d2t": tensors["d2t"].clone()}
+    shifted = dict(tensors, d2t=tensors["d2t"].clone())
+    shifted["d2t"][5] += 1
+    assert any("d2t differs" in p for p in static_problems(config, shifted, expect))
+    as_int32 = dict(tensors, d2t=tensors["d2t"].to(torch.int32))
+    assert any("int64" in p for p in static_problems(config, as_int32, expect))
+
+
 def test_verifier_tensors_load_through_the_index_whatever_the_prefix(tmp_path):
     """Kimi-K2.5 keeps its text weights under `language_model.`; only three tensors are read."""
     from eagle3_pipeline.tiny import build_verifier
