@@ -39,6 +39,19 @@ def script(name: str) -> str:
     return str(REPO / name)
 
 
+def extract_args(verifier: object, data: object, out_dir: object) -> list[str]:
+    """The start of a stage-01 command line; callers add their own flags."""
+    return [
+        script("01_extract_hidden_states.py"),
+        "--verifier-path",
+        str(verifier),
+        "--data-path",
+        str(data),
+        "--out-dir",
+        str(out_dir),
+    ]
+
+
 def moved_config(src: Path, old_root: str, new_root: Path, out: Path, extra: str = "") -> Path:
     """A copy of a config file with its run folder moved (and optional keys appended per section)."""
     text = src.read_text().replace(f'"{old_root}/', f'"{new_root}/')

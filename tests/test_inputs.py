@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DATA, read_jsonl, run_script, script, shard_of
+from conftest import DATA, extract_args, read_jsonl, run_script, script, shard_of
 
 from eagle3_pipeline.conversations import RowRejected, normalize_messages, tokenize_conversation
 
@@ -80,13 +80,7 @@ def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
 def test_bad_input_corpus_every_row_written_or_rejected_with_reason(tiny_verifier, tmp_path):
     expected = json.loads((DATA / "bad_inputs.expected.json").read_text())
     proc = run_script(
-        script("01_extract_hidden_states.py"),
-        "--verifier-path",
-        str(tiny_verifier),
-        "--data-path",
-        str(DATA / "bad_inputs.jsonl"),
-        "--out-dir",
-        str(tmp_path / "hs"),
+        *extract_args(str(tiny_verifier), str(DATA / "bad_inputs.jsonl"), str(tmp_path / "hs")),
         "--max-seq-len",
         str(expected["max_seq_len"]),
         "--samples-per-file",
@@ -110,13 +104,7 @@ def test_malformed_json_file_is_one_clear_error(tiny_verifier, tmp_path):
     bad = tmp_path / "data.json"
     bad.write_text('[{"messages": []}, ')
     proc = run_script(
-        script("01_extract_hidden_states.py"),
-        "--verifier-path",
-        str(tiny_verifier),
-        "--data-path",
-        str(bad),
-        "--out-dir",
-        str(tmp_path / "hs"),
+        *extract_args(str(tiny_verifier), str(bad), str(tmp_path / "hs")),
         check=False,
     )
     assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr
@@ -131,13 +119,7 @@ def test_datasets_folder_is_read_like_jsonl(tiny_verifier, tmp_path):
     )
     ds.save_to_disk(str(tmp_path / "ds"))
     run_script(
-        script("01_extract_hidden_states.py"),
-        "--verifier-path",
-        str(tiny_verifier),
-        "--data-path",
-        str(tmp_path / "ds"),
-        "--out-dir",
-        str(tmp_path / "hs"),
+        *extract_args(str(tiny_verifier), str(tmp_path / "ds"), str(tmp_path / "hs")),
     )
     meta = json.loads((shard_of(tmp_path / "hs") / "meta.json").read_text())
     assert meta["num_samples"] == len(ds) and meta["num_rejected"] == 0
@@ -146,13 +128,7 @@ def test_datasets_folder_is_read_like_jsonl(tiny_verifier, tmp_path):
 def test_shard_from_other_layer_ids_or_verifier_is_refused(tiny_run, tiny_llama_verifier, tmp_path):
     conv = str(DATA / "conversations.jsonl")
     run_script(
-        script("01_extract_hidden_states.py"),
-        "--verifier-path",
-        str(tiny_run / "verifier"),
-        "--data-path",
-        conv,
-        "--out-dir",
-        str(tmp_path / "other_ids"),
+        *extract_args(str(tiny_run / "verifier"), conv, str(tmp_path / "other_ids")),
         "--aux-layer-ids",
         "1",
         "3",
@@ -192,13 +168,7 @@ def test_shard_from_other_layer_ids_or_verifier_is_refused(tiny_run, tiny_llama_
     )
     assert proc.returncode == 2 and "aux_layer_ids" in proc.stderr and "Traceback" not in proc.stderr
     run_script(
-        script("01_extract_hidden_states.py"),
-        "--verifier-path",
-        str(tiny_llama_verifier),
-        "--data-path",
-        conv,
-        "--out-dir",
-        str(tmp_path / "llama"),
+        *extract_args(str(tiny_llama_verifier), conv, str(tmp_path / "llama")),
         "--start-row",
         "0",
         "--end-row",

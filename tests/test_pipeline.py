@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import CONVERSATIONS, read_jsonl, run_script, script, shard_of
+from conftest import CONVERSATIONS, extract_args, read_jsonl, run_script, script, shard_of
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -202,13 +202,7 @@ def test_batched_extraction_equals_one_sequence_at_a_time(tiny_verifier, tmp_pat
 
     for name, tokens in (("one", "1"), ("batched", "100000")):
         run_script(
-            script("01_extract_hidden_states.py"),
-            "--verifier-path",
-            str(tiny_verifier),
-            "--data-path",
-            str(DATA / "conversations.jsonl"),
-            "--out-dir",
-            str(tmp_path / name),
+            *extract_args(str(tiny_verifier), str(DATA / "conversations.jsonl"), str(tmp_path / name)),
             "--end-row",
             "6",
             "--samples-per-file",

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import DATA, REPO, run_script, script, shard_of
+from conftest import DATA, REPO, extract_args, run_script, script, shard_of
 
 
 def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -43,13 +43,7 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 
 def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path):
     args = [
-        script("01_extract_hidden_states.py"),
-        "--verifier-path",
-        str(tiny_verifier),
-        "--data-path",
-        str(DATA / "conversations.jsonl"),
-        "--out-dir",
-        "hs",
+        *extract_args(str(tiny_verifier), str(DATA / "conversations.jsonl"), "hs"),
         "--samples-per-file",
         "2",
     ]
