@@ -100,9 +100,11 @@ class TrainConfig:
     )
     epochs: int = _f(1, "Passes over the training split.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (overrides --epochs if smaller).")
-    lr: float = _f(1e-4, "Peak AdamW learning rate.")
-    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of --lr (cosine decay).")
-    warmup_steps: int = _f(100, "Linear warm-up steps.")
+    lr: float = _f(1e-3, "Peak AdamW learning rate (measured: benchmarks/draft_quality.py).")
+    lr_schedule: str = _f("cosine", "After warm-up: cosine, linear (to --min-lr-ratio) or constant.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of --lr.")
+    warmup_ratio: float = _f(0.02, "Linear warm-up as a fraction of the run's optimizer steps.")
+    warmup_steps: int | None = _f(None, "Warm-up in optimizer steps instead of --warmup-ratio.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     grad_clip: float = _f(0.5, "Clip the global gradient norm to this value.")
     max_seq_len: int = _f(4096, "Longer samples are truncated (the prefix is still valid training data).")
@@ -121,10 +123,27 @@ class TrainConfig:
     rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).")
     max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.")
     norm_before_residual: bool = _f(False, "EAGLE-3 residual = hidden_norm(g) instead of g.")
+    norm_before_fc: bool = _f(
+        False, "RMSNorm over the concatenated aux states before fc (vLLM >= 0.32 reads it: input_norm)."
+    )
+    fc_norm: bool = _f(False, "RMSNorm over each aux state before fc (vLLM >= 0.32 reads it).")
+    norm_output: bool = _f(
+        False, "Feed the normed output back to the next draft step (vLLM >= 0.32 reads it)."
+    )
+    loss_on_all_tokens: bool = _f(
+        False, "Supervise every position against the verifier, prompts too (default: generated tokens only)."
+    )
+    served_k: int = _f(
+        3, "Draft tokens vLLM will serve with: validation acceptance_length counts these steps."
+    )
     train_lm_head: bool = _f(False, "Train the draft lm_head (default: frozen copy of the verifier's rows).")
     log_every: int = _f(10, "Optimizer steps between log lines.")
-    eval_every: int = _f(200, "Optimizer steps between validations (and at the end).")
-    save_every: int = _f(200, "Optimizer steps between checkpoints (and at the end).")
+    eval_every: int | None = _f(
+        None, "Optimizer steps between validations (and at the end); default: a tenth of the run."
+    )
+    save_every: int | None = _f(
+        None, "Optimizer steps between checkpoints (and at each validation); default: --eval-every."
+    )
     keep_last: int = _f(3, "Complete checkpoints kept besides the best one.")
     val_max_samples: int | None = _f(None, "Cap on validation samples per evaluation.")
     overwrite: bool = _f(False, "Start over even if --out-dir has checkpoints (default: resume).")

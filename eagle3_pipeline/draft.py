@@ -32,6 +32,10 @@ class DraftSpec:
     aux_layer_ids: tuple[int, ...]
     norm_before_residual: bool
     hidden_act: str = "silu"
+    # The other norm flags vLLM >= 0.32 honours (llama_eagle3.py); all false is the plain EAGLE-3 layout.
+    norm_before_fc: bool = False  # RMSNorm over concat(aux) before fc (weight input_norm.weight)
+    fc_norm: bool = False  # RMSNorm per aux state before fc (fc_norm.<i>.weight); excludes norm_before_fc
+    norm_output: bool = False  # the next draft step gets norm(out) instead of out
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -49,6 +53,8 @@ def check_spec(spec: DraftSpec) -> None:
             f"num_attention_heads {spec.num_attention_heads} must be a multiple of "
             f"num_key_value_heads {spec.num_key_value_heads}"
         )
+    if spec.norm_before_fc and spec.fc_norm:
+        raise UserError("norm_before_fc and fc_norm are mutually exclusive (speculators and vLLM)")
     if spec.head_dim % 2:
         raise UserError(f"head_dim {spec.head_dim} must be even (RoPE rotates pairs)")
 
@@ -89,9 +95,9 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
         transformer_layer_config=decoder_config(spec, attn_impl),
         draft_vocab_size=spec.draft_vocab_size,
         norm_before_residual=spec.norm_before_residual,
-        norm_before_fc=False,
-        fc_norm=False,
-        norm_output=False,  # the plain EAGLE-3 layout (contract 6)
+        norm_before_fc=spec.norm_before_fc,
+        fc_norm=spec.fc_norm,
+        norm_output=spec.norm_output,
         eagle_aux_hidden_state_layer_ids=list(spec.aux_layer_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",

@@ -177,4 +177,3 @@ def _log(engine: str, s: dict[str, Any]) -> None:
         " ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"]),
         s["num_drafts"],
     )
-

@@ -21,9 +21,9 @@ from eagle3_pipeline import checkpoint, storage
 from eagle3_pipeline.config import ExportConfig, config_to_dict
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.packing import pack
 from eagle3_pipeline.reference_draft import ReferenceDraft, aux_layer_ids_of
 from eagle3_pipeline.shards import load_sample, open_shards
-from eagle3_pipeline.train import pack
 from eagle3_pipeline.verifier import load_verifier_tensors
 from eagle3_pipeline.vocab import draft_to_target, load_mapping
 
@@ -37,6 +37,10 @@ EXPORT_META = "export_meta.json"
 # far below. Thresholds leave room for near-ties flipping under rounding.
 MIN_TOP1_AGREEMENT = 0.98
 MAX_NORMALISED_ERROR = 0.05
+# Norm flags vLLM reads from the draft config, each defaulting to false when absent (vLLM 0.32
+# llama_eagle3.py; norm_before_residual since EAGLE-3 support, the other three are read by 0.32, the
+# oldest version this project serves with): every one is written explicitly and checked.
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -63,6 +67,10 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "norm.weight": (H,),
         "lm_head.weight": (dv, H),
     }
+    if config.get("norm_before_fc"):
+        shapes["input_norm.weight"] = (n_aux * H,)
+    if config.get("fc_norm"):
+        shapes.update({f"fc_norm.{i}.weight": (H,) for i in range(n_aux)})
     if dv != v:
         shapes["d2t"] = (dv,)
         shapes["t2d"] = (v,)
@@ -96,11 +104,13 @@ def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, An
         "bos_token_id": verifier_cfg.get("bos_token_id"),
         "eos_token_id": verifier_cfg.get("eos_token_id"),
         "eagle_aux_hidden_state_layer_ids": ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-        "norm_before_residual": spec.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        # vLLM reads norm_before_fc from eagle_config first, then the top level: both, equal
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "use_aux_hidden_state": True,
+            "norm_before_fc": spec.norm_before_fc,
+        },
+        **{k: getattr(spec, k) for k in NORM_FLAGS},
     }
 
 
@@ -159,13 +169,19 @@ def static_problems(
         "draft_vocab_size",
         "rope_theta",
         "rms_norm_eps",
-        "norm_before_residual",
     ):
         if config.get(key) != spec[key]:
             p.append(f"{key} {config.get(key)!r} != trained {spec[key]!r}")
-    for key in ("norm_before_fc", "fc_norm", "norm_output"):
-        if config.get(key) is not False:
-            p.append(f"{key} must be stated false (the draft was trained without it)")
+    for key in NORM_FLAGS:
+        if key not in config:
+            p.append(
+                f"{key} missing: vLLM would take false; the draft was trained with {spec.get(key, False)}"
+            )
+        elif config[key] != spec.get(key, False):
+            p.append(f"{key} {config[key]!r} != trained {spec.get(key, False)!r}")
+    nested_fc = (config.get("eagle_config") or {}).get("norm_before_fc")
+    if nested_fc is not None and nested_fc != config.get("norm_before_fc"):
+        p.append(f"eagle_config.norm_before_fc {nested_fc!r} != top-level {config.get('norm_before_fc')!r}")
     if config.get("rope_scaling") is not None:
         p.append("rope_scaling must be null (training used plain RoPE)")
     if p:  # shapes need a sane config

@@ -7,7 +7,9 @@ This deliberately does not use the training classes. It follows vLLM's `LlamaFor
   exactly as it does there, silently;
 - aux layer ids from the top-level `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s;
 - d2t offsets from the file, else zeros (identity) when the draft vocab is smaller;
-- norm_before_residual from the config, default false; RoPE (neox style) from rope_theta;
+- the norm flags as vLLM reads them, each default false: norm_before_residual; norm_before_fc
+  (eagle_config first, then top level; weight input_norm) and fc_norm (fc_norm.<i>) before fc;
+  norm_output (the next step gets norm(out) instead of out); RoPE (neox style) from rope_theta;
 - embed_tokens is the verifier's (the export ships none).
 """
 
@@ -58,11 +60,20 @@ class ReferenceDraft:
         self.eps = c.get("rms_norm_eps", 1e-6)
         self.rope_theta = c.get("rope_theta", 10000.0)
         self.norm_before_residual = bool(c.get("norm_before_residual", False))
+        self.norm_before_fc = bool(
+            (c.get("eagle_config") or {}).get("norm_before_fc", c.get("norm_before_fc"))
+        )
+        self.fc_norm = bool(c.get("fc_norm", False))
+        self.norm_output = bool(c.get("norm_output", False))
         self.aux_layer_ids = aux_layer_ids_of(c)
         w = {k: v.float() for k, v in load_file(str(export_dir / "model.safetensors")).items()}
         layer = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
         q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.fc = w["fc.weight"]
+        n_aux = self.fc.shape[1] // self.hidden
+        ones = torch.ones(self.hidden)  # vLLM's RMSNorm init, kept when a flag's weight is missing
+        self.n_input = w.get("input_norm.weight", torch.ones(n_aux * self.hidden))
+        self.n_fc = [w.get(f"fc_norm.{i}.weight", ones) for i in range(n_aux)]
         self.wq = w[layer + "self_attn.q_proj.weight"][:q_rows]
         self.wk = w[layer + "self_attn.k_proj.weight"][:kv_rows]
         self.wv = w[layer + "self_attn.v_proj.weight"][:kv_rows]
@@ -121,6 +132,20 @@ class ReferenceDraft:
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return _rms_norm(out, self.n_final, self.eps) @ self.lm_head.T
 
+    def _carry(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next draft step receives as g: out, or norm(out) with norm_output."""
+        return _rms_norm(out, self.n_final, self.eps) if self.norm_output else out
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """vLLM's combine_hidden_states: optional input_norm / per-layer fc_norm, then fc."""
+        x = aux.float()
+        if self.norm_before_fc:
+            x = _rms_norm(x, self.n_input, self.eps)
+        if self.fc_norm:
+            chunks = x.chunk(len(self.n_fc), dim=-1)
+            x = torch.cat([_rms_norm(ch, w, self.eps) for ch, w in zip(chunks, self.n_fc)], dim=-1)
+        return x @ self.fc.T
+
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
@@ -130,14 +155,13 @@ class ReferenceDraft:
         self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """Slots t: verifier features at t ([T, n_aux*H], ascending ids), embedding of token t+1, RoPE t."""
-        g = aux.float() @ self.fc.T
-        out, cache = self._layer(g, next_tokens, positions, None)
-        return out, self.logits(out), cache
+        out, cache = self._layer(self.combine(aux), next_tokens, positions, None)
+        return self._carry(out), self.logits(out), cache
 
     @torch.no_grad()
     def step(
         self, g: torch.Tensor, token: torch.Tensor, position: torch.Tensor, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        """A further draft step: g is the previous step's pre-norm output (not passed through fc)."""
+        """A further draft step: g is what the previous step carried (not passed through fc)."""
         out, cache = self._layer(g, token, position, cache)
-        return out, self.logits(out), cache
+        return self._carry(out), self.logits(out), cache

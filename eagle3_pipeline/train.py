@@ -1,229 +1,72 @@
 """Stage 04: train the EAGLE-3 head with training-time test (TTT), resumable bit for bit.
 
-Per micro-batch, samples are packed into one row with document ids and shifted as the draft serves:
-slot t gets the verifier's aux states at t, the embedding of token t+1 and RoPE position t, and learns
-the verifier's distribution at t+1 (KL against lm_head(norm(last hidden)) restricted to the draft
-vocabulary: [tokens, draft_vocab] logits, never [tokens, 163840]). TTT unrolls `ttt_steps` steps, each
-feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
-Validation reports per step s: acc_s (all steps 0..s right, a prefix accepted) and cond_s (step s right
-given 0..s-1 right), and acceptance_length = 1 + sum_s acc_s, the mean tokens per verifier step that a
-greedy chain of ttt_steps drafts would yield; the best checkpoint is picked by it.
+A run is set up in pieces, each readable on its own: the data (`open_data`), the draft's shape
+(`draft_spec`), the output folder and its resume check (`prepare_run_dir`), the model
+(`build_model`), the optimizer and the scheduler sized from the run's length (`build_optimizer`,
+schedule.py), the resume (`restore`), then the step loop (`train_loop`). Packing lives in packing.py,
+the loss and validation metrics in train_metrics.py, torchrun plumbing in distributed.py.
+Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
+`ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import os
-import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_pipeline import checkpoint, storage
+from eagle3_pipeline import checkpoint, schedule, storage
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TrainConfig, config_to_dict
+from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft, trainable_names
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.shards import SampleRef, load_sample, open_shards
+from eagle3_pipeline.packing import BatchDataset, micro_batches
+from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
 from eagle3_pipeline.split import load_split, split_samples
+from eagle3_pipeline.train_metrics import accumulate, forward, log_validation, summarize, validate
 from eagle3_pipeline.verifier import load_verifier_tensors
 from eagle3_pipeline.vocab import load_mapping
 
 log = logging.getLogger("eagle3.train")
 
-
-def pack(samples: list[dict[str, torch.Tensor]], max_seq_len: int) -> dict[str, torch.Tensor]:
-    """Shift each sample to (aux_t, token_{t+1}, teacher_{t+1}, mask_{t+1}) and pack them in one row."""
-    parts: dict[str, list[torch.Tensor]] = {
-        k: []
-        for k in ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
-    }
-    for doc, s in enumerate(samples):
-        n = min(len(s["input_ids"]), max_seq_len)
-        if n < 2:
-            continue
-        parts["hidden_states"].append(s["aux_hidden_states"][: n - 1].flatten(1).float())
-        parts["input_ids"].append(s["input_ids"][1:n].long())
-        parts["verifier_last"].append(s["last_hidden_state"][1:n].float())
-        parts["loss_mask"].append(s["loss_mask"][1:n].bool())
-        parts["document_ids"].append(torch.full((n - 1,), doc, dtype=torch.long))
-        parts["position_ids"].append(torch.arange(n - 1))
-    return {k: torch.cat(v)[None] for k, v in parts.items()}
-
-
-def micro_batches(
-    samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
-) -> list[list[SampleRef]]:
-    """A seeded shuffle of the samples, packed greedily into micro-batches of at most batch_tokens."""
-    g = torch.Generator().manual_seed(seed * 100003 + epoch)
-    order = torch.randperm(len(samples), generator=g).tolist()
-    batches: list[list[SampleRef]] = []
-    current: list[SampleRef] = []
-    used = 0
-    for i in order:
-        n = min(samples[i].num_tokens, max_seq_len)
-        if current and used + n > batch_tokens:
-            batches.append(current)
-            current, used = [], 0
-        current.append(samples[i])
-        used += n
-    if current:
-        batches.append(current)
-    return batches
-
-
-class BatchDataset(torch.utils.data.Dataset):
-    def __init__(self, batches: list[list[SampleRef]], max_seq_len: int):
-        self.batches = batches
-        self.max_seq_len = max_seq_len
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return pack([load_sample(r) for r in self.batches[i]], self.max_seq_len)
+# Fields of meta.json that must not change under a resume (bitwise-exact continuation needs them).
+RESUME_KEYS = ("draft", "vocab_mapping_sha256", "shards", "num_train", "ttt_steps", "recipe")
 
 
 @dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-
-def init_distributed() -> tuple[Dist, torch.device]:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: NCCL on GPUs, gloo on CPU."""
-    d = Dist(
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-    )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(d.local_rank)
-        device = torch.device("cuda", d.local_rank)
-    else:
-        device = torch.device("cpu")
-    if d.enabled and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return d, device
+class RunData:
+    shard_set: ShardSet
+    train_refs: list[SampleRef]
+    val_refs: list[SampleRef]
+    vocab_meta: dict[str, Any]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up, then cosine from 1 to min_ratio at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress_frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_frac))
+@dataclass
+class Plan:
+    """How long the run is and how often it validates and saves, resolved from the config."""
+
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    eval_every: int
+    save_every: int
 
 
-def forward(
-    model: Any,
-    batch: dict[str, torch.Tensor],
-    ttt_steps: int,
-    decay: float,
-    device: torch.device,
-    autocast_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    from speculators.losses.eager import kl_div_loss
-
-    b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        _, loss, metrics = model(
-            hidden_states=b["hidden_states"],
-            input_ids=b["input_ids"],
-            document_ids=b["document_ids"],
-            loss_mask=b["loss_mask"],
-            position_ids=b["position_ids"],
-            verifier_last_hidden_states=b["verifier_last"],
-            ttt_steps=ttt_steps,
-            ttt_step_loss_decay=decay,
-            loss_config={"kl_div": (kl_div_loss, 1.0)},
-        )
-    return loss, metrics
+@dataclass
+class Progress:
+    step: int = 0
+    history: dict[str, Any] = field(default_factory=dict)
 
 
-def summarize(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:
-    """Ratios from summed counts: acc_s, cond_s, loss, acceptance_length."""
-    out = {"loss": sums.get("loss_sum", 0.0) / max(sums.get("n", 1.0), 1.0)}
-    acc_total = 0.0
-    for s in range(ttt_steps):
-        acc = sums.get(f"full_acc_{s}_sum", 0.0) / max(sums.get(f"full_acc_{s}_total", 0.0), 1.0)
-        out[f"acc_{s}"] = acc
-        out[f"cond_{s}"] = sums.get(f"cond_acc_{s}_sum", 0.0) / max(sums.get(f"cond_acc_{s}_total", 0.0), 1.0)
-        acc_total += acc
-    out["acceptance_length"] = 1.0 + acc_total
-    return out
-
-
-def accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor]) -> None:
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + float(v)
-    sums["n"] = sums.get("n", 0.0) + 1.0
-
-
-def all_reduce_sums(sums: dict[str, float], dist: Dist, device: torch.device) -> dict[str, float]:
-    if not dist.enabled:
-        return sums
-    keys = sorted(sums)
-    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
-
-
-@torch.no_grad()
-def validate(
-    model: Any, loader: Any, cfg: TrainConfig, device: torch.device, autocast_dtype: Any, dist: Dist
-) -> dict[str, float]:
-    model.eval()
-    sums: dict[str, float] = {}
-    for batch in loader:
-        _, metrics = forward(model, batch, cfg.ttt_steps, cfg.ttt_step_loss_decay, device, autocast_dtype)
-        accumulate(sums, metrics)
-    model.train()
-    return summarize(all_reduce_sums(sums, dist, device), cfg.ttt_steps)
-
-
-class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint at the next step boundary and exits.
-    A second signal stops at once (the last complete checkpoint still counts)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("signal %d: finishing this step, then saving a checkpoint (again to stop now)", signum)
-
-    def agreed(self, dist: Dist, device: torch.device) -> bool:
-        """Whether any rank was signalled: all ranks must stop at the same step or the barrier hangs."""
-        if not dist.enabled:
-            return self.signum is not None
-        flag = torch.tensor([0 if self.signum is None else self.signum], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() and self.signum is None:
-            self.signum = int(flag.item())
-        return bool(flag.item())
-
-
-def run(cfg: TrainConfig) -> int:
-    dist, device = init_distributed()
-    torch.manual_seed(cfg.seed)
-    out_dir = Path(cfg.out_dir)
-    ckpt_root = out_dir / "checkpoints"
-
+def open_data(cfg: TrainConfig) -> RunData:
     vocab_meta, d2t, t2d = load_mapping(Path(cfg.vocab_mapping_dir))
     expect = {**vocab_meta["source"], "_source": f"{cfg.vocab_mapping_dir}/meta.json"}
     expect["verifier"] = {k: v for k, v in expect["verifier"].items() if k != "path"}
@@ -234,9 +77,12 @@ def run(cfg: TrainConfig) -> int:
         train_refs, val_refs = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
     if cfg.val_max_samples is not None:
         val_refs = val_refs[: cfg.val_max_samples]
-    verifier_path = Path(cfg.verifier_path or shard_set.meta["verifier"]["path"])
-    vmeta = shard_set.meta["verifier"]
-    spec = DraftSpec(
+    return RunData(shard_set, train_refs, val_refs, vocab_meta, d2t, t2d)
+
+
+def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
+    vmeta = data.shard_set.meta["verifier"]
+    return DraftSpec(
         hidden_size=vmeta["hidden_size"],
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
@@ -246,24 +92,28 @@ def run(cfg: TrainConfig) -> int:
         rope_theta=cfg.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings,
         vocab_size=vmeta["vocab_size"],
-        draft_vocab_size=int(d2t.numel()),
-        aux_layer_ids=tuple(shard_set.meta["aux_layer_ids"]),
+        draft_vocab_size=int(data.d2t.numel()),
+        aux_layer_ids=tuple(data.shard_set.meta["aux_layer_ids"]),
         norm_before_residual=cfg.norm_before_residual,
+        norm_before_fc=cfg.norm_before_fc,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
     )
 
-    run_meta = {
-        "stage": "04_train",
-        "draft": spec.to_json(),
-        "source": shard_set.contract(),
-        "verifier_path": str(verifier_path.resolve()),
-        "vocab_mapping_dir": str(Path(cfg.vocab_mapping_dir).resolve()),
-        "vocab_mapping_sha256": vocab_meta["mapping_sha256"],
-        "shards": [str(s.resolve()) for s in shard_set.shards],
-        "num_train": len(train_refs),
-        "num_val": len(val_refs),
-        "train_lm_head": cfg.train_lm_head,
-        "ttt_steps": cfg.ttt_steps,
-    }
+
+def recipe_of(cfg: TrainConfig) -> dict[str, Any]:
+    """What changes the trained weights besides data and shapes (recorded; a resume must keep it)."""
+    keys = (
+        "lr", "lr_schedule", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay", "grad_clip",
+        "batch_tokens", "grad_accum", "ttt_step_loss_decay", "loss_on_all_tokens", "train_lm_head", "seed",
+    )  # fmt: skip
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def prepare_run_dir(cfg: TrainConfig, run_meta: dict[str, Any], dist: Dist) -> Path | None:
+    """Create (or clear with --overwrite) the run folder; the checkpoint to resume from, if any."""
+    out_dir = Path(cfg.out_dir)
+    ckpt_root = out_dir / "checkpoints"
     resume_from = None if cfg.overwrite else checkpoint.latest(ckpt_root)
     if dist.rank == 0:
         if cfg.overwrite and out_dir.exists():
@@ -274,11 +124,7 @@ def run(cfg: TrainConfig) -> int:
         meta_path = out_dir / storage.META_NAME
         if resume_from is not None and meta_path.exists():
             old = storage.read_json(meta_path)
-            changed = [
-                k
-                for k in ("draft", "vocab_mapping_sha256", "shards", "num_train", "ttt_steps")
-                if old.get(k) != run_meta[k]
-            ]
+            changed = [k for k in RESUME_KEYS if old.get(k) != run_meta[k]]
             if changed:
                 raise UserError(
                     f"{meta_path}: the checkpoints in {ckpt_root} were trained with other {', '.join(changed)}; "
@@ -287,151 +133,317 @@ def run(cfg: TrainConfig) -> int:
         storage.write_json_atomic(
             meta_path, {**run_meta, "config": config_to_dict(cfg), "versions": storage.versions()}
         )
+    return resume_from
 
+
+def build_model(
+    cfg: TrainConfig, spec: DraftSpec, data: RunData, verifier_path: Path, device: torch.device
+) -> tuple[Any, list[str]]:
+    """The draft with the verifier's embedding, teacher head/norm and draft lm_head rows attached."""
     model = build_draft(spec, attn_impl="sdpa")
-    attach_verifier_tensors(
-        model, load_verifier_tensors(verifier_path, vmeta.get("tie_word_embeddings", False)), t2d, d2t
-    )
+    tie = data.shard_set.meta["verifier"].get("tie_word_embeddings", False)
+    attach_verifier_tensors(model, load_verifier_tensors(verifier_path, tie), data.t2d, data.d2t)
     names = trainable_names(model, cfg.train_lm_head)
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
-    model.to(device)
-    autocast_dtype = _autocast_dtype(cfg.dtype, device)
+    return model.to(device), names
+
+
+def plan_run(cfg: TrainConfig, data: RunData, dist: Dist) -> Plan:
+    per_rank = max(
+        1,
+        len(micro_batches(data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+        // (dist.world * cfg.grad_accum),
+    )
+    total = per_rank * cfg.epochs if cfg.max_steps is None else cfg.max_steps
+    # max_steps beyond what the epochs allow keeps cycling over the data
+    return Plan(
+        steps_per_epoch=per_rank,
+        total_steps=total,
+        warmup_steps=schedule.warmup_steps_for(total, cfg.warmup_ratio, cfg.warmup_steps),
+        eval_every=schedule.every_for(total, cfg.eval_every),
+        save_every=schedule.every_for(total, cfg.save_every if cfg.save_every else cfg.eval_every),
+    )
+
+
+def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter], plan: Plan) -> tuple[Any, Any]:
+    if cfg.lr_schedule not in schedule.SCHEDULES:
+        raise UserError(f"lr_schedule {cfg.lr_schedule!r}: use one of {', '.join(schedule.SCHEDULES)}")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: schedule.lr_factor(
+            s, plan.warmup_steps, plan.total_steps, cfg.min_lr_ratio, cfg.lr_schedule
+        ),
+    )
+    return optimizer, scheduler
+
+
+def restore(resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any, total: int) -> Progress:
+    if resume_from is None:
+        return Progress()
+    weights, state, info = checkpoint.load(resume_from)
+    model.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    checkpoint.set_rng_state(state["rng"])
+    log.info("resumed from %s (step %d of %d)", resume_from, info["step"], total)
+    return Progress(info["step"], info.get("history", {}))
+
+
+def run(cfg: TrainConfig) -> int:
+    dist, device = init_distributed()
+    torch.manual_seed(cfg.seed)
+    data = open_data(cfg)
+    spec = draft_spec(cfg, data)
+    verifier_path = Path(cfg.verifier_path or data.shard_set.meta["verifier"]["path"])
+    plan = plan_run(cfg, data, dist)
+    run_meta = {
+        "stage": "04_train",
+        "draft": spec.to_json(),
+        "source": data.shard_set.contract(),
+        "verifier_path": str(verifier_path.resolve()),
+        "vocab_mapping_dir": str(Path(cfg.vocab_mapping_dir).resolve()),
+        "vocab_mapping_sha256": data.vocab_meta["mapping_sha256"],
+        "shards": [str(s.resolve()) for s in data.shard_set.shards],
+        "num_train": len(data.train_refs),
+        "num_val": len(data.val_refs),
+        "train_lm_head": cfg.train_lm_head,
+        "ttt_steps": cfg.ttt_steps,
+        "recipe": recipe_of(cfg),
+        "plan": vars(plan),
+    }
+    resume_from = prepare_run_dir(cfg, run_meta, dist)
+    model, names = build_model(cfg, spec, data, verifier_path, device)
     ddp_model = model
     if dist.enabled:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
     params = [p for n, p in model.named_parameters() if n in names]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-    per_rank = max(
-        1,
-        len(micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
-        // (dist.world * cfg.grad_accum),
-    )
-    total_steps = (
-        per_rank * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_rank * cfg.epochs)
-    )
-    if cfg.max_steps is not None and cfg.max_steps > per_rank * cfg.epochs:
-        total_steps = cfg.max_steps  # more steps than epochs allow: keep cycling over the data
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    )
-
-    step = 0
-    history: dict[str, Any] = {}
-    if resume_from is not None:
-        weights, state, info = checkpoint.load(resume_from)
-        model.load_state_dict(weights, strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"])
-        step = info["step"]
-        history = info.get("history", {})
-        log.info("resumed from %s (step %d of %d)", resume_from, step, total_steps)
-    if step >= total_steps:
+    optimizer, scheduler = build_optimizer(cfg, params, plan)
+    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
+    if prog.step >= plan.total_steps:
         log.info(
-            "skip: %s already reached step %d of %d (use --overwrite to retrain)", out_dir, step, total_steps
+            "skip: %s already reached step %d of %d (use --overwrite to retrain)",
+            cfg.out_dir,
+            prog.step,
+            plan.total_steps,
         )
         return 0
-
-    val_loader = _loader(
-        _rank_slice(micro_batches(val_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0), dist), cfg
+    log.info(
+        "plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
+        plan.total_steps,
+        plan.steps_per_epoch,
+        plan.warmup_steps,
+        plan.eval_every,
+        plan.save_every,
+        cfg.lr,
+        cfg.lr_schedule,
     )
-    if "untrained" not in history and val_refs:
-        history["untrained"] = validate(ddp_model, val_loader, cfg, device, autocast_dtype, dist)
-        _log_val(0, history["untrained"], "untrained")
-
-    stop = StopFlag()
-    t0, tokens_seen, sums, start_step = time.time(), 0, {}, step
-    log_path = out_dir / "train_log.jsonl"
-    bar = progress(total=total_steps, initial=step, desc="train", unit="step")
-    ddp_model.train()
-    while step < total_steps:
-        epoch, in_epoch = divmod(step, per_rank)
-        batches = _rank_slice(
-            micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch), dist
-        )
-        start = in_epoch * cfg.grad_accum
-        take = [batches[i % len(batches)] for i in range(start, per_rank * cfg.grad_accum)]
-        loader = _loader(take, cfg)
-        it = iter(loader)
-        while step < total_steps and in_epoch < per_rank:
-            optimizer.zero_grad(set_to_none=True)
-            for _ in range(cfg.grad_accum):
-                batch = next(it)
-                loss, metrics = forward(
-                    ddp_model, batch, cfg.ttt_steps, cfg.ttt_step_loss_decay, device, autocast_dtype
-                )
-                (loss / cfg.grad_accum).backward()
-                accumulate(sums, metrics)
-                tokens_seen += int(batch["input_ids"].numel()) * dist.world
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            in_epoch += 1
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == total_steps:
-                m = summarize(all_reduce_sums(sums, dist, device), cfg.ttt_steps)
-                elapsed = time.time() - t0
-                line = {
-                    "step": step,
-                    "epoch": epoch,
-                    "loss": m["loss"],
-                    "acc0": m["acc_0"],
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tok_per_s": tokens_seen / max(elapsed, 1e-9),
-                }
-                log.info(
-                    "step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
-                    step,
-                    total_steps,
-                    m["loss"],
-                    m["acc_0"],
-                    line["lr"],
-                    line["grad_norm"],
-                    line["tok_per_s"],
-                    elapsed / max(1, step - start_step) * (total_steps - step),
-                )
-                if dist.rank == 0:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(line) + "\n")
-                sums = {}
-            last = step == total_steps
-            val = None
-            if val_refs and (step % cfg.eval_every == 0 or last):
-                val = validate(ddp_model, val_loader, cfg, device, autocast_dtype, dist)
-                history[f"step_{step}"] = val
-                _log_val(step, val, "val")
-            stopping = stop.agreed(dist, device)
-            if step % cfg.save_every == 0 or last or stopping:
-                _save(ckpt_root, step, model, names, optimizer, scheduler, val, history, cfg, dist)
-            if stopping:
-                log.warning(
-                    "signal %d: checkpoint saved at step %d; rerun the same command to resume",
-                    stop.signum,
-                    step,
-                )
-                bar.close()
-                return EXIT_INTERRUPTED
-    bar.close()
-    if dist.rank == 0 and "untrained" in history:
-        final = history.get(f"step_{total_steps}", {})
+    loop = TrainLoop(cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data)
+    code = loop.run(prog)
+    if code:
+        return code
+    if dist.rank == 0 and "untrained" in prog.history:
+        final = prog.history.get(f"step_{plan.total_steps}", {})
         log.info(
             "done %s | val acc0 %.3f (untrained %.3f) | acceptance_length %.3f (untrained %.3f)",
-            out_dir,
+            cfg.out_dir,
             final.get("acc_0", float("nan")),
-            history["untrained"]["acc_0"],
+            prog.history["untrained"]["acc_0"],
             final.get("acceptance_length", float("nan")),
-            history["untrained"]["acceptance_length"],
+            prog.history["untrained"]["acceptance_length"],
         )
     if dist.enabled:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
+
+
+@dataclass
+class TrainLoop:
+    """The optimizer steps from a Progress to the plan's end: log, validate, save, stop on signal."""
+
+    cfg: TrainConfig
+    plan: Plan
+    dist: Dist
+    device: torch.device
+    ddp_model: Any
+    model: Any
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    optimizer: Any
+    scheduler: Any
+    data: RunData
+
+    def __post_init__(self) -> None:
+        self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
+        self.ckpt_root = Path(self.cfg.out_dir) / "checkpoints"
+        self.val_loader = self._loader(
+            rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,
+                                     self.cfg.seed, 0), self.dist)
+        )  # fmt: skip
+
+    def _loader(self, batches: list[list[SampleRef]]) -> Any:
+        return torch.utils.data.DataLoader(
+            BatchDataset(batches, self.cfg.max_seq_len, self.cfg.loss_on_all_tokens),
+            batch_size=None,
+            shuffle=False,
+            num_workers=self.cfg.num_workers,
+            persistent_workers=False,
+        )
+
+    def validate(self) -> dict[str, float]:
+        return validate(
+            self.ddp_model,
+            self.val_loader,
+            self.cfg.ttt_steps,
+            self.cfg.ttt_step_loss_decay,
+            self.device,
+            self.autocast_dtype,
+            self.dist,
+            self.cfg.served_k,
+        )
+
+    def epoch_batches(self, step: int) -> tuple[int, int, Any]:
+        """(epoch, position in it, iterator over the rest of its micro-batches) for a global step."""
+        epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
+        cfg = self.cfg
+        batches = rank_slice(
+            micro_batches(self.data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch), self.dist
+        )
+        take = [
+            batches[i % len(batches)]
+            for i in range(in_epoch * cfg.grad_accum, self.plan.steps_per_epoch * cfg.grad_accum)
+        ]
+        return epoch, in_epoch, iter(self._loader(take))
+
+    def optimizer_step(self, it: Any, sums: dict[str, float]) -> tuple[float, int]:
+        """grad_accum micro-batches, clip, step; (gradient norm, tokens seen by all ranks)."""
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = 0
+        for _ in range(cfg.grad_accum):
+            batch = next(it)
+            loss, metrics = forward(
+                self.ddp_model,
+                batch,
+                cfg.ttt_steps,
+                cfg.ttt_step_loss_decay,
+                self.device,
+                self.autocast_dtype,
+            )
+            (loss / cfg.grad_accum).backward()
+            accumulate(sums, metrics)
+            tokens += int(batch["input_ids"].numel()) * self.dist.world
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(grad_norm), tokens
+
+    def run(self, prog: Progress) -> int:
+        cfg, plan = self.cfg, self.plan
+        if "untrained" not in prog.history and self.data.val_refs:
+            prog.history["untrained"] = self.validate()
+            log_validation(0, prog.history["untrained"], "untrained")
+        stop = StopFlag()
+        meter = _Meter(prog.step)
+        bar = progress(total=plan.total_steps, initial=prog.step, desc="train", unit="step")
+        self.ddp_model.train()
+        try:
+            while prog.step < plan.total_steps:
+                epoch, in_epoch, it = self.epoch_batches(prog.step)
+                while prog.step < plan.total_steps and in_epoch < plan.steps_per_epoch:
+                    grad_norm, tokens = self.optimizer_step(it, meter.sums)
+                    prog.step += 1
+                    in_epoch += 1
+                    meter.tokens += tokens
+                    bar.update(1)
+                    if prog.step % cfg.log_every == 0 or prog.step == plan.total_steps:
+                        self._log_interval(prog.step, epoch, grad_norm, meter)
+                    if self._after_step(prog, stop):
+                        log.warning(
+                            "signal %d: checkpoint saved at step %d; rerun the same command to resume",
+                            stop.signum,
+                            prog.step,
+                        )
+                        return EXIT_INTERRUPTED
+        finally:
+            bar.close()
+        return 0
+
+    def _after_step(self, prog: Progress, stop: StopFlag) -> bool:
+        """Validate and save on the plan's cadence (and at the end, and on a signal); True to stop."""
+        last = prog.step == self.plan.total_steps
+        val = None
+        if self.data.val_refs and (prog.step % self.plan.eval_every == 0 or last):
+            val = self.validate()
+            prog.history[f"step_{prog.step}"] = val
+            log_validation(prog.step, val, "val")
+        stopping = stop.agreed(self.dist, self.device)
+        if prog.step % self.plan.save_every == 0 or last or stopping or val is not None:
+            self._save(prog, val)
+        return stopping
+
+    def _log_interval(self, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:
+        m = summarize(all_reduce_sums(meter.sums, self.dist, self.device), self.cfg.ttt_steps)
+        elapsed = time.time() - meter.t0
+        line = {
+            "step": step,
+            "epoch": epoch,
+            "loss": m["loss"],
+            "acc0": m["acc_0"],
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tok_per_s": meter.tokens / max(elapsed, 1e-9),
+        }
+        log.info(
+            "step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
+            step,
+            self.plan.total_steps,
+            m["loss"],
+            m["acc_0"],
+            line["lr"],
+            grad_norm,
+            line["tok_per_s"],
+            elapsed / max(1, step - meter.start_step) * (self.plan.total_steps - step),
+        )
+        if self.dist.rank == 0:
+            with open(Path(self.cfg.out_dir) / "train_log.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        meter.sums = {}
+
+    def _save(self, prog: Progress, val: dict[str, float] | None) -> None:
+        if self.dist.rank == 0:
+            state = dict(self.model.named_parameters())
+            train_state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": checkpoint.rng_state(),
+            }
+            info: dict[str, Any] = {"history": prog.history}
+            if val is not None:
+                info["val"] = val
+            path = checkpoint.save(
+                self.ckpt_root,
+                prog.step,
+                {n: state[n] for n in self.names},
+                train_state,
+                info,
+                self.cfg.keep_last,
+            )
+            log.info("checkpoint %s", path)
+        if self.dist.enabled:
+            torch.distributed.barrier()
+
+
+@dataclass
+class _Meter:
+    start_step: int
+    t0: float = field(default_factory=time.time)
+    tokens: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
 
 
 def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -443,61 +455,3 @@ def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     if name == "float32":
         return None
     raise UserError(f"dtype {name!r}: use auto, bfloat16 or float32")
-
-
-def _rank_slice(batches: list[list[SampleRef]], dist: Dist) -> list[list[SampleRef]]:
-    return batches[dist.rank :: dist.world] or batches[:1]
-
-
-def _loader(batches: list[list[SampleRef]], cfg: TrainConfig) -> Any:
-    return torch.utils.data.DataLoader(
-        BatchDataset(batches, cfg.max_seq_len),
-        batch_size=None,
-        shuffle=False,
-        num_workers=cfg.num_workers,
-        persistent_workers=False,
-    )
-
-
-def _log_val(step: int, val: dict[str, float], label: str) -> None:
-    steps = sorted(int(k.split("_")[1]) for k in val if k.startswith("acc_"))
-    accs = " ".join(f"acc{s} {val[f'acc_{s}']:.3f}" for s in steps)
-    conds = " ".join(f"cond{s} {val[f'cond_{s}']:.3f}" for s in steps)
-    log.info(
-        "%s step %d | loss %.4f | %s | %s | acceptance_length %.3f",
-        label,
-        step,
-        val["loss"],
-        accs,
-        conds,
-        val["acceptance_length"],
-    )
-
-
-def _save(
-    root: Path,
-    step: int,
-    model: Any,
-    names: list[str],
-    optimizer: Any,
-    scheduler: Any,
-    val: dict[str, float] | None,
-    history: dict[str, Any],
-    cfg: TrainConfig,
-    dist: Dist,
-) -> None:
-    if dist.rank == 0:
-        state = dict(model.named_parameters())
-        weights = {n: state[n] for n in names}
-        train_state = {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": checkpoint.rng_state(),
-        }
-        info = {"history": history}
-        if val is not None:
-            info["val"] = val
-        path = checkpoint.save(root, step, weights, train_state, info, cfg.keep_last)
-        log.info("checkpoint %s", path)
-    if dist.enabled:
-        torch.distributed.barrier()

@@ -1,0 +1,73 @@
+"""Samples into packed micro-batches, shifted the way the draft serves; shared by training and export.
+
+Slot t of a sample gets the verifier's aux states at t, the embedding of token t+1 and RoPE position t,
+and learns the verifier's distribution at t+1 (vLLM's EAGLE-3 proposer, shared/reference contract 1).
+Several samples share one row; document ids keep their attention apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3_pipeline.shards import SampleRef, load_sample
+
+PACKED_KEYS = ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
+
+
+def pack(
+    samples: list[dict[str, torch.Tensor]], max_seq_len: int, loss_on_all_tokens: bool = False
+) -> dict[str, torch.Tensor]:
+    """Shift each sample to (aux_t, token_{t+1}, teacher_{t+1}, mask_{t+1}) and pack them in one row.
+
+    `loss_on_all_tokens` supervises prompt tokens too (the teacher is the verifier's distribution at
+    every position, not only where the assistant wrote).
+    """
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in PACKED_KEYS}
+    for doc, s in enumerate(samples):
+        n = min(len(s["input_ids"]), max_seq_len)
+        if n < 2:
+            continue
+        mask = s["loss_mask"][1:n].bool()
+        parts["hidden_states"].append(s["aux_hidden_states"][: n - 1].flatten(1).float())
+        parts["input_ids"].append(s["input_ids"][1:n].long())
+        parts["verifier_last"].append(s["last_hidden_state"][1:n].float())
+        parts["loss_mask"].append(torch.ones_like(mask) if loss_on_all_tokens else mask)
+        parts["document_ids"].append(torch.full((n - 1,), doc, dtype=torch.long))
+        parts["position_ids"].append(torch.arange(n - 1))
+    return {k: torch.cat(v)[None] for k, v in parts.items()}
+
+
+def micro_batches(
+    samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+) -> list[list[SampleRef]]:
+    """A seeded shuffle of the samples, packed greedily into micro-batches of at most batch_tokens."""
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    order = torch.randperm(len(samples), generator=g).tolist()
+    batches: list[list[SampleRef]] = []
+    current: list[SampleRef] = []
+    used = 0
+    for i in order:
+        n = min(samples[i].num_tokens, max_seq_len)
+        if current and used + n > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(samples[i])
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """Micro-batch i, loaded and packed (in DataLoader workers when there are any)."""
+
+    def __init__(self, batches: list[list[SampleRef]], max_seq_len: int, loss_on_all_tokens: bool = False):
+        self.batches = batches
+        self.max_seq_len = max_seq_len
+        self.loss_on_all_tokens = loss_on_all_tokens
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return pack([load_sample(r) for r in self.batches[i]], self.max_seq_len, self.loss_on_all_tokens)

@@ -1,0 +1,39 @@
+"""The learning-rate schedule and the validation/checkpoint cadence, both sized from the run's length.
+
+A fixed warm-up of N steps is a third of a 300-step run and nothing of a 30k-step one (measured in the
+draft-quality issue: 100 warm-up steps of 294 cost most of the acceptance), so warm-up is a fraction
+of the run unless given in steps; validations likewise default to a number per run, so that the best
+checkpoint is a choice between several.
+"""
+
+from __future__ import annotations
+
+import math
+
+SCHEDULES = ("cosine", "linear", "constant")
+DEFAULT_VALIDATIONS_PER_RUN = 10  # evaluations (and checkpoints) spread over a run unless given in steps
+
+
+def warmup_steps_for(total_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:
+    """Explicit steps win; else the ratio of the run (at least one step when the ratio is positive)."""
+    if warmup_steps is not None:
+        return max(0, warmup_steps)
+    return max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: str = "cosine") -> float:
+    """Linear warm-up to 1 over `warmup` steps, then cosine or linear decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1.0 - frac
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def every_for(total_steps: int, every: int | None, per_run: int = DEFAULT_VALIDATIONS_PER_RUN) -> int:
+    """Steps between validations or checkpoints: as given, else the run split into `per_run` intervals."""
+    if every is not None:
+        return max(1, every)
+    return max(1, math.ceil(total_steps / per_run))

@@ -1,0 +1,100 @@
+"""One forward of the draft with its loss, and the validation metrics summed over batches and ranks.
+
+Validation reports per TTT step s: acc_s (steps 0..s all right: a prefix accepted) and cond_s (step s
+right given 0..s-1 right), and acceptance_length = 1 + sum_s acc_s, the mean tokens per verifier step
+that a greedy chain of ttt_steps drafts would yield; the best checkpoint is picked by it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from eagle3_pipeline.distributed import Dist, all_reduce_sums
+
+log = logging.getLogger("eagle3.train")
+
+
+def forward(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    ttt_steps: int,
+    decay: float,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, KL to the verifier."""
+    from speculators.losses.eager import kl_div_loss
+
+    b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        _, loss, metrics = model(
+            hidden_states=b["hidden_states"],
+            input_ids=b["input_ids"],
+            document_ids=b["document_ids"],
+            loss_mask=b["loss_mask"],
+            position_ids=b["position_ids"],
+            verifier_last_hidden_states=b["verifier_last"],
+            ttt_steps=ttt_steps,
+            ttt_step_loss_decay=decay,
+            loss_config={"kl_div": (kl_div_loss, 1.0)},
+        )
+    return loss, metrics
+
+
+def accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor]) -> None:
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    sums["n"] = sums.get("n", 0.0) + 1.0
+
+
+def summarize(sums: dict[str, float], ttt_steps: int, served_k: int | None = None) -> dict[str, float]:
+    """Ratios from summed counts: acc_s, cond_s, loss, and acceptance_length over the first `served_k`
+    steps (the k vLLM will serve with; a run may train deeper than it serves)."""
+    out = {"loss": sums.get("loss_sum", 0.0) / max(sums.get("n", 1.0), 1.0)}
+    acc_total = 0.0
+    for s in range(ttt_steps):
+        acc = sums.get(f"full_acc_{s}_sum", 0.0) / max(sums.get(f"full_acc_{s}_total", 0.0), 1.0)
+        out[f"acc_{s}"] = acc
+        out[f"cond_{s}"] = sums.get(f"cond_acc_{s}_sum", 0.0) / max(sums.get(f"cond_acc_{s}_total", 0.0), 1.0)
+        if served_k is None or s < served_k:
+            acc_total += acc
+    out["acceptance_length"] = 1.0 + acc_total
+    return out
+
+
+@torch.no_grad()
+def validate(
+    model: Any,
+    loader: Any,
+    ttt_steps: int,
+    decay: float,
+    device: torch.device,
+    autocast_dtype: Any,
+    dist: Dist,
+    served_k: int | None = None,
+) -> dict[str, float]:
+    model.eval()
+    sums: dict[str, float] = {}
+    for batch in loader:
+        _, metrics = forward(model, batch, ttt_steps, decay, device, autocast_dtype)
+        accumulate(sums, metrics)
+    model.train()
+    return summarize(all_reduce_sums(sums, dist, device), ttt_steps, served_k)
+
+
+def log_validation(step: int, val: dict[str, float], label: str) -> None:
+    steps = sorted(int(k.split("_")[1]) for k in val if k.startswith("acc_"))
+    accs = " ".join(f"acc{s} {val[f'acc_{s}']:.3f}" for s in steps)
+    conds = " ".join(f"cond{s} {val[f'cond_{s}']:.3f}" for s in steps)
+    log.info(
+        "%s step %d | loss %.4f | %s | %s | acceptance_length %.3f",
+        label,
+        step,
+        val["loss"],
+        accs,
+        conds,
+        val["acceptance_length"],
+    )
