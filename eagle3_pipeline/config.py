@@ -32,6 +32,29 @@ def _req(help: str, **kw: Any) -> Any:
 
 
 @dataclass
+class RegenerateConfig:
+    verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
+    data_path: str | None = _req("Conversations to regenerate (same formats as stage 01).")
+    data_split: str = _f("train", "Split to read when --data-path is a saved DatasetDict.")
+    out_dir: str | None = _req(
+        "Output folder: conversations.jsonl (stage 01's --data-path), parts, rejects.jsonl, meta.json."
+    )
+    engine: str = _f(
+        "auto", "vllm (tensor parallel over the visible GPUs), hf (transformers), or auto: vllm when "
+        "its environment is usable, else hf."
+    )  # fmt: skip
+    max_new_tokens: int = _f(2048, "Most tokens generated per assistant turn (reasoning included).")
+    max_seq_len: int = _f(4096, "Longest prompt + completion; a turn whose prompt is longer ends the row.")
+    temperature: float = _f(0.0, "0: greedy (reproducible); > 0: sampling with --top-p and --seed.")
+    top_p: float = _f(1.0, "Nucleus sampling mass when --temperature > 0.")
+    seed: int = _f(0, "Sampling seed.")
+    rows_per_part: int = _f(256, "Input rows per part file (the unit of resume).")
+    vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
+    trust_remote_code: bool = _f(False, "Allow the verifier's own code (Kimi-K2.5's tokenizer needs it).")
+    overwrite: bool = _f(False, "Redo an output that is already complete.")
+
+
+@dataclass
 class ExtractConfig:
     verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
     data_path: str | None = _req(
@@ -186,6 +209,7 @@ class EvaluateConfig:
 
 
 STAGE_CONFIGS = {
+    "regenerate": RegenerateConfig,
     "extract": ExtractConfig,
     "vocab": VocabConfig,
     "split": SplitConfig,

