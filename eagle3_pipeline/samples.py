@@ -70,9 +70,7 @@ def row_samples(row_value: Any, row_index: int, tokenizer: Any, opts: SampleOpti
     """The training samples of one row (at least one), or RowRejected with the reason."""
     if isinstance(row_value, dict) and row_value.get("token_samples") is not None:
         row_id = _row_id(row_value)
-        units = merge_append_only(
-            token_pairs(row_value["token_samples"], len(tokenizer)), opts.max_seq_len
-        )
+        units = merge_append_only(token_pairs(row_value["token_samples"], len(tokenizer)))
     else:
         conv = normalize_row(row_value)
         row_id = conv.row_id
@@ -110,7 +108,7 @@ def conversation_units(tokenizer: Any, conv: Conversation, opts: SampleOptions) 
             return [(ids, mask)]
         except NotAppendOnly:
             pairs = generic_turn_pairs(tokenizer, conv, kwargs)
-    return merge_append_only(pairs, opts.max_seq_len)
+    return merge_append_only(pairs)
 
 
 def _supervisable_turns(conv: Conversation) -> list[int]:
@@ -268,14 +266,15 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def merge_append_only(pairs: list[Pair], max_seq_len: int) -> list[Unit]:
+def merge_append_only(pairs: list[Pair]) -> list[Unit]:
     """One sample per pair, except that a pair whose context starts with the previous sample's whole
-    sequence extends it (its mask covers both completions) while the merged sample fits max_seq_len."""
+    sequence extends it (its mask covers both completions). The merged sample is exactly as long as the
+    later pair alone, so merging never costs length."""
     units: list[Unit] = []
     for context, completion in pairs:
         if units:
             ids, mask = units[-1]
-            if context[: len(ids)] == ids and len(context) + len(completion) <= max_seq_len:
+            if context[: len(ids)] == ids:
                 gap = context[len(ids) :]
                 ids.extend(gap + completion)
                 mask.extend([0] * len(gap) + [1] * len(completion))

@@ -85,10 +85,13 @@ def test_bad_input_corpus_every_row_written_or_rejected_with_reason(tiny_verifie
         str(expected["max_seq_len"]),
         "--samples-per-file",
         "4",
+        "--chat-template-kwargs",
+        '{"thinking": false}',
     )
     assert "Traceback" not in proc.stderr
     shard = shard_of(tmp_path / "hs")
     meta = json.loads((shard / "meta.json").read_text())
+    assert meta["chat_template_kwargs"] == {"thinking": False}  # what 06_evaluate.py will read back
     rejects = {str(r["row"]): r["reason"] for r in read_jsonl(shard / "rejects.jsonl")}
     manifest = json.loads((shard / "manifest.json").read_text())
     written = {str(s["row"]): s["id"] for f in manifest["files"] for s in f["samples"]}
