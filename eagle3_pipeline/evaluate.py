@@ -20,8 +20,8 @@ from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import EvaluateConfig, config_to_dict
 from eagle3_pipeline.conversations import RowRejected, read_rows
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.samples import first_prompt
 from eagle3_pipeline.reference_draft import ReferenceDraft
+from eagle3_pipeline.samples import first_prompt
 from eagle3_pipeline.verifier import (
     AuxCapture,
     find_decoder_layers,
@@ -212,4 +212,3 @@ def _log(engine: str, s: dict[str, Any]) -> None:
         " ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"]),
         s["num_drafts"],
     )
-

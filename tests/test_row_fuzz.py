@@ -31,7 +31,11 @@ def tokenizers(tmp_path_factory):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
@@ -47,17 +51,37 @@ contents = st.one_of(
     st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "audio"]), "text": texts})),
     json_values,
 )
-roles = st.sampled_from(
-    ["user", "assistant", "system", "tool", "human", "gpt", "function_call", "observation", "narrator", "ASSISTANT"]
-) | json_values
+roles = (
+    st.sampled_from(
+        [
+            "user",
+            "assistant",
+            "system",
+            "tool",
+            "human",
+            "gpt",
+            "function_call",
+            "observation",
+            "narrator",
+            "ASSISTANT",
+        ]
+    )
+    | json_values
+)
 tool_calls = st.one_of(
     st.none(),
     json_values,
     st.lists(
         st.fixed_dictionaries(
-            {"type": st.just("function"),
-             "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "", "get_weather"]) | json_values,
-                                                "arguments": st.just("{}") | json_values})},
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {
+                        "name": st.sampled_from(["f", "", "get_weather"]) | json_values,
+                        "arguments": st.just("{}") | json_values,
+                    }
+                ),
+            },
             optional={"id": st.text(max_size=6) | json_values},
         ),
         max_size=3,
@@ -65,8 +89,12 @@ tool_calls = st.one_of(
 )
 turns = st.fixed_dictionaries(
     {"role": roles, "content": contents},
-    optional={"reasoning_content": texts | json_values, "tool_calls": tool_calls, "tool_call_id": json_values,
-              "reasoning": texts},
+    optional={
+        "reasoning_content": texts | json_values,
+        "tool_calls": tool_calls,
+        "tool_call_id": json_values,
+        "reasoning": texts,
+    },
 )
 words = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=10) | texts
 good_turns = st.one_of(
@@ -76,10 +104,25 @@ good_turns = st.one_of(
         optional={"reasoning_content": words},
     ),
     st.fixed_dictionaries(
-        {"role": st.just("assistant"), "content": st.none() | words, "reasoning_content": words,
-         "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
-             {"name": st.just("get_weather"), "arguments": st.dictionaries(st.text(max_size=3), st.integers())})}),
-             min_size=1, max_size=2)},
+        {
+            "role": st.just("assistant"),
+            "content": st.none() | words,
+            "reasoning_content": words,
+            "tool_calls": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "function": st.fixed_dictionaries(
+                            {
+                                "name": st.just("get_weather"),
+                                "arguments": st.dictionaries(st.text(max_size=3), st.integers()),
+                            }
+                        )
+                    }
+                ),
+                min_size=1,
+                max_size=2,
+            ),
+        },
     ),
     st.fixed_dictionaries({"role": st.just("tool"), "content": words}),
     st.fixed_dictionaries({"role": st.just("system"), "content": words}),
@@ -89,10 +132,18 @@ good_rows = st.fixed_dictionaries(
     optional={"id": st.sampled_from(["a", "b", "a#2", "c"])},
 )
 good_token_rows = st.fixed_dictionaries(
-    {"token_samples": st.lists(
-        st.fixed_dictionaries({"prompt_ids": st.lists(st.integers(0, 262), min_size=1, max_size=30),
-                               "completion_ids": st.lists(st.integers(0, 262), min_size=1, max_size=30)}),
-        min_size=1, max_size=3)},
+    {
+        "token_samples": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "prompt_ids": st.lists(st.integers(0, 262), min_size=1, max_size=30),
+                    "completion_ids": st.lists(st.integers(0, 262), min_size=1, max_size=30),
+                }
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    },
 )
 token_lists = st.lists(st.integers(-2, 170000) | st.booleans() | json_values, max_size=6)
 rows = st.one_of(
@@ -105,10 +156,14 @@ rows = st.one_of(
         optional={"id": st.sampled_from(["a", "b", "a#2"]) | json_values, "tools": json_values},
     ),
     st.fixed_dictionaries(
-        {"token_samples": st.lists(
-            st.fixed_dictionaries({"prompt_ids": token_lists, "completion_ids": token_lists}) | json_values,
-            max_size=3,
-        ) | json_values},
+        {
+            "token_samples": st.lists(
+                st.fixed_dictionaries({"prompt_ids": token_lists, "completion_ids": token_lists})
+                | json_values,
+                max_size=3,
+            )
+            | json_values
+        },
         optional={"id": st.sampled_from(["a", "t"])},
     ),
 )
@@ -129,7 +184,11 @@ def line_of(kind: int, row: object) -> bytes:
     max_examples=MAX_EXAMPLES,
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 @pytest.mark.parametrize("name", ["kimi", "tiny"])
 def test_every_row_is_written_or_rejected_never_an_exception(

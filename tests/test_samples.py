@@ -21,7 +21,11 @@ USER, ASSISTANT, SYSTEM = IDS["<|im_user|>"], IDS["<|im_assistant|>"], IDS["<|im
 MIDDLE, END = IDS["<|im_middle|>"], IDS["<|im_end|>"]
 THINK, UNTHINK = IDS["<think>"], IDS["</think>"]
 SECTION, SECTION_END = IDS["<|tool_calls_section_begin|>"], IDS["<|tool_calls_section_end|>"]
-CALL, ARGS, CALL_END = IDS["<|tool_call_begin|>"], IDS["<|tool_call_argument_begin|>"], IDS["<|tool_call_end|>"]
+CALL, ARGS, CALL_END = (
+    IDS["<|tool_call_begin|>"],
+    IDS["<|tool_call_argument_begin|>"],
+    IDS["<|tool_call_end|>"],
+)
 INSTANT = {"thinking": False}
 
 
@@ -74,8 +78,9 @@ def samples(tok, row, max_seq_len=4096, **kw):
 
 
 def test_fixture_detected_as_kimi_and_tiny_template_is_not(kimi, tmp_path):
-    from eagle3_pipeline.tiny import build_tokenizer
     from transformers import AutoTokenizer
+
+    from eagle3_pipeline.tiny import build_tokenizer
 
     build_tokenizer(tmp_path)
     assert KimiK25Rules.detect(kimi) is not None
@@ -84,10 +89,17 @@ def test_fixture_detected_as_kimi_and_tiny_template_is_not(kimi, tmp_path):
 
 
 def test_reasoning_content_is_supervised_after_the_thinking_prompt(kimi):
-    row = {"id": "r", "messages": [{"role": "user", "content": "Hi"},
-                                   {"role": "assistant", "content": "Yo", "reasoning_content": "Greet."}]}
+    row = {
+        "id": "r",
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Yo", "reasoning_content": "Greet."},
+        ],
+    }
     (s,) = samples(kimi, row)
-    assert (s.input_ids, s.loss_mask) == expect((user("Hi") + prompt(), 0), (["Greet.", UNTHINK, "Yo", END], 1))
+    assert (s.input_ids, s.loss_mask) == expect(
+        (user("Hi") + prompt(), 0), (["Greet.", UNTHINK, "Yo", END], 1)
+    )
     assert s.sample_id == "r" and context_of(s) == serving_prompt(kimi, row, 1)
 
 
@@ -104,7 +116,9 @@ def test_reasoning_content_is_supervised_after_the_thinking_prompt(kimi):
 def test_inline_think_and_reasoning_aliases_give_the_same_sample(kimi, assistant):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", **assistant}]}
     (s,) = samples(kimi, row)
-    assert (s.input_ids, s.loss_mask) == expect((user("Hi") + prompt(), 0), (["Greet.", UNTHINK, "Yo", END], 1))
+    assert (s.input_ids, s.loss_mask) == expect(
+        (user("Hi") + prompt(), 0), (["Greet.", UNTHINK, "Yo", END], 1)
+    )
 
 
 def test_multi_turn_each_turn_gets_its_serving_prompt_with_earlier_reasoning_erased(kimi):
@@ -143,7 +157,9 @@ TOOL_ROW = {
             "role": "assistant",
             "content": None,  # a tool-calling turn without text
             "reasoning_content": "Look it up.",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
         },
         {"role": "tool", "content": "snow"},  # answers the open call: its id is filled in
         {"role": "assistant", "content": "Snow.", "reasoning_content": "Report."},
@@ -184,8 +200,14 @@ def test_instant_mode_supervises_no_reasoning_and_prompts_end_with_empty_think(k
 
 
 def test_instant_mode_multi_turn_is_append_only_so_one_sample(kimi):
-    row = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                        {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2"},
+        ]
+    }
     (s,) = samples(kimi, row, **INSTANT)
     instant = [ASSISTANT, "assistant", MIDDLE, THINK, UNTHINK]
     assert (s.input_ids, s.loss_mask) == expect(
@@ -194,9 +216,14 @@ def test_instant_mode_multi_turn_is_append_only_so_one_sample(kimi):
 
 
 def test_thinking_mode_turn_without_reasoning_is_context_not_a_target(kimi):
-    row = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                        {"role": "user", "content": "Q2"},
-                        {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2", "reasoning_content": "R2"},
+        ]
+    }
     (s,) = samples(kimi, row)
     assert (s.input_ids, s.loss_mask) == expect(
         (user("Q1") + history("A1") + user("Q2") + prompt(), 0), (["R2", UNTHINK, "A2", END], 1)
@@ -206,8 +233,13 @@ def test_thinking_mode_turn_without_reasoning_is_context_not_a_target(kimi):
 
 
 def test_assistant_first_row_keeps_later_turns(kimi):
-    row = {"messages": [{"role": "assistant", "content": "Welcome"}, {"role": "user", "content": "Hi"},
-                        {"role": "assistant", "content": "Yo", "reasoning_content": "R"}]}
+    row = {
+        "messages": [
+            {"role": "assistant", "content": "Welcome"},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Yo", "reasoning_content": "R"},
+        ]
+    }
     (s,) = samples(kimi, row)
     assert (s.input_ids, s.loss_mask) == expect(
         (history("Welcome") + user("Hi") + prompt(), 0), (["R", UNTHINK, "Yo", END], 1)
@@ -221,7 +253,10 @@ def test_sharegpt_function_call_and_observation_are_tool_turns(kimi):
         "tools": json.dumps(TOOLS),  # ShareGPT exports keep declarations as a string
         "conversations": [
             {"from": "human", "value": "Weather?"},
-            {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})},
+            {
+                "from": "function_call",
+                "value": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}),
+            },
             {"from": "observation", "value": "snow"},
             {"from": "gpt", "value": "Snow."},
         ],
@@ -242,7 +277,10 @@ def test_sharegpt_function_call_and_observation_are_tool_turns(kimi):
         ({"role": "assistant", "content": "<think>a</think>b", "reasoning_content": "c"}, "both in"),
         ({"role": "assistant", "content": "x", "reasoning": "a", "thinking": "b"}, "several keys"),
         ({"role": "assistant", "content": None}, "is empty"),
-        ({"role": "assistant", "content": "x", "tool_calls": [{"function": {"arguments": "{}"}}]}, "function name"),
+        (
+            {"role": "assistant", "content": "x", "tool_calls": [{"function": {"arguments": "{}"}}]},
+            "function name",
+        ),
         ({"role": "tool", "content": "orphan"}, "no open tool call"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}, "multimodal"),
     ],
@@ -279,7 +317,10 @@ def test_token_rows_are_used_verbatim_and_append_only_ones_merge(kimi):
         ([[1, 2]], r"token_samples\[0\] is list"),
         ([{"prompt_ids": [1], "completion_ids": []}], r"completion_ids is empty"),
         ([{"prompt_ids": [1], "completion_ids": [-1]}], "token id -1"),
-        ([{"prompt_ids": [1], "completion_ids": [163840]}], r"token id 163840, outside the tokenizer's \[0, 163840\)"),
+        (
+            [{"prompt_ids": [1], "completion_ids": [163840]}],
+            r"token id 163840, outside the tokenizer's \[0, 163840\)",
+        ),
         ([{"prompt_ids": [1, True], "completion_ids": [2]}], "holds bool True"),
         ([{"prompt_ids": [1, 2.0], "completion_ids": [2]}], "holds float"),
         ([{"completion_ids": [2]}], "prompt_ids is null"),
@@ -291,8 +332,12 @@ def test_token_rows_with_bad_ids_are_rejected_with_a_reason(kimi, token_samples,
 
 
 def test_long_sample_rejected_or_truncated_to_what_fits(kimi):
-    row = {"messages": [{"role": "user", "content": "Q"},
-                        {"role": "assistant", "content": "A", "reasoning_content": "r" * 100}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "A", "reasoning_content": "r" * 100},
+        ]
+    }
     (full,) = samples(kimi, row)
     n = len(full.input_ids)
     with pytest.raises(RowRejected, match=rf"{n} tokens > max_seq_len 40"):
@@ -321,10 +366,14 @@ class ErasesOldReasoning:
 
 
 def test_other_non_append_only_template_gets_one_sample_per_turn():
-    row = {"messages": [{"role": "user", "content": "q"},
-                        {"role": "assistant", "content": "b", "reasoning_content": "r"},
-                        {"role": "user", "content": "c"},
-                        {"role": "assistant", "content": "d", "reasoning_content": "s"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "b", "reasoning_content": "r"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d", "reasoning_content": "s"},
+        ]
+    }
     first, second = samples(ErasesOldReasoning(), row)
 
     def chars(s):
@@ -333,3 +382,22 @@ def test_other_non_append_only_template_gets_one_sample_per_turn():
     assert (first.input_ids, first.loss_mask) == (chars("[u]q.[a](r)b."), [0] * 8 + [1] * 5)
     # turn 1 (the [a] in front of b) is re-rendered without its reasoning in turn 3's prompt
     assert (second.input_ids, second.loss_mask) == (chars("[u]q.[a]b.[u]c.[a](s)d."), [0] * 18 + [1] * 5)
+
+
+def test_samples_of_one_row_land_on_one_side_of_the_split():
+    from eagle3_pipeline.shards import SampleRef
+    from eagle3_pipeline.split import split_samples
+
+    refs = [
+        SampleRef("s", "p", i, f"conv-{c}{'' if n == 0 else f'#{n + 1}'}", 10)
+        for i, (c, n) in enumerate((c, n) for c in range(40) for n in range(3))
+    ]
+    train, val = split_samples(refs, seed=0, val_ratio=0.3)
+    sides = {}
+    for side, part in (("train", train), ("val", val)):
+        for r in part:
+            sides.setdefault(conversation_id(r.sample_id), set()).add(side)
+    assert len(sides) == 40 and all(len(s) == 1 for s in sides.values()) and val and train
+    # tiny data: the conversation held out is held out whole
+    train, val = split_samples(refs[:6], seed=0, val_ratio=0.01)
+    assert [r.sample_id for r in val] == ["conv-1", "conv-1#2", "conv-1#3"]

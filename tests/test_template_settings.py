@@ -15,10 +15,22 @@ from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import SampleOptions, row_samples
 
 ROWS = [
-    {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
-                             {"role": "assistant", "content": "A1", "reasoning_content": "R1"}]},
-    {"id": "b", "messages": [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Q2"},
-                             {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]},
+    {
+        "id": "a",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+        ],
+    },
+    {
+        "id": "b",
+        "messages": [
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2", "reasoning_content": "R2"},
+        ],
+    },
 ]
 INSTANT = {"thinking": False}
 
@@ -35,13 +47,22 @@ def test_dict_setting_from_command_line_and_toml_table(tmp_path):
     assert resolve("extract", ExtractConfig, base).chat_template_kwargs == {}
     cfg = resolve("extract", ExtractConfig, [*base, "--chat-template-kwargs", '{"thinking": false}'])
     assert cfg.chat_template_kwargs == INSTANT
-    toml = '[extract]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n[extract.chat_template_kwargs]\nthinking = false\n'
+    toml = (
+        '[extract]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n'
+        "[extract.chat_template_kwargs]\nthinking = false\n"
+    )
     assert resolve("extract", ExtractConfig, [], tmp_path, toml).chat_template_kwargs == INSTANT
     # the command line wins over the file
     cfg = resolve("extract", ExtractConfig, ["--chat-template-kwargs", '{"thinking": true}'], tmp_path, toml)
     assert cfg.chat_template_kwargs == {"thinking": True}
     with pytest.raises(UserError, match="chat_template_kwargs = 'yes': expected dict"):
-        resolve("extract", ExtractConfig, [], tmp_path, toml.split("[extract.chat")[0] + 'chat_template_kwargs = "yes"\n')
+        resolve(
+            "extract",
+            ExtractConfig,
+            [],
+            tmp_path,
+            toml.split("[extract.chat")[0] + 'chat_template_kwargs = "yes"\n',
+        )
     ev = ["--draft-dir", "x", "--data-path", "d"]
     assert resolve("evaluate", EvaluateConfig, ev).chat_template_kwargs is None  # None: read from the shards
 
@@ -89,7 +110,9 @@ def run_evaluate(monkeypatch, kimi_dir, draft, data, kwargs=None):
         return {"mean_acceptance_length": 1.0, "acceptance_rate_per_pos": [0.0] * k, "num_drafts": 0}, []
 
     monkeypatch.setattr(evaluate, "simulate", fake_simulate)
-    cfg = EvaluateConfig(draft_dir=str(draft), data_path=str(data), num_prompts=2, chat_template_kwargs=kwargs)
+    cfg = EvaluateConfig(
+        draft_dir=str(draft), data_path=str(data), num_prompts=2, chat_template_kwargs=kwargs
+    )
     assert evaluate.run(cfg) == 0
     result = json.loads((draft / "acceptance_sim.json").read_text())
     return seen["prompts"], result
