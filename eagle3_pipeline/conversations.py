@@ -245,10 +245,13 @@ def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> 
     if reasoning is not None and not isinstance(reasoning, str):
         raise RowRejected(f"turn {n} {given[0]} is {type(reasoning).__name__}, expected a string")
     content = message["content"]
-    if content.lstrip().startswith(THINK_OPEN):  # inline reasoning: `<think>R</think>A`
+    opens = content.lstrip().startswith(THINK_OPEN)
+    # inline reasoning: `<think>R</think>A`, or `R</think>A` where the template wrote the opening tag
+    # (DeepSeek-R1-style exports)
+    if opens or (THINK_CLOSE in content and THINK_OPEN not in content):
         if reasoning is not None:
             raise RowRejected(f"turn {n} has reasoning both in {given[0]} and inline in <think>")
-        inner, sep, rest = content.lstrip()[len(THINK_OPEN) :].partition(THINK_CLOSE)
+        inner, sep, rest = content.lstrip()[len(THINK_OPEN) if opens else 0 :].partition(THINK_CLOSE)
         if not sep:
             raise RowRejected(f"turn {n} opens {THINK_OPEN} in its content and never closes it")
         reasoning, content = inner, rest

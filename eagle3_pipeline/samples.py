@@ -226,13 +226,15 @@ class KimiK25Rules:
 
     def _body(self, tokenizer: Any, turn: dict[str, Any], kwargs: dict[str, Any], i: int) -> str:
         """The turn's content, tool-call section and end token, as the template renders them: the turn
-        alone, without reasoning, renders `HEADER<think></think>` + body."""
+        alone, without reasoning, renders `HEADER<think></think>` + body (after whatever the template puts
+        first, such as a default system prompt)."""
         alone = {k: v for k, v in turn.items() if k != "reasoning_content"}
         text = _render_text(tokenizer, [alone], False, **kwargs)
         prefix = self.HEADER + self.EMPTY_THINK
-        if not text.startswith(prefix) or not text.endswith("<|im_end|>"):
-            raise RowRejected(f"turn {i} renders as {text[:80]!r}, not in Kimi-K2.5's assistant format")
-        return text[len(prefix) :]
+        start = text.find(prefix)
+        if start < 0 or not text.endswith("<|im_end|>"):
+            raise RowRejected(f"turn {i} renders as {text[-80:]!r}, not in Kimi-K2.5's assistant format")
+        return text[start + len(prefix) :]
 
 
 def token_pairs(value: Any, vocab_size: int) -> list[Pair]:

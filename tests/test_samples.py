@@ -110,8 +110,9 @@ def test_reasoning_content_is_supervised_after_the_thinking_prompt(kimi):
         {"content": "<think>\nGreet.\n</think>\n\nYo"},
         {"content": "Yo", "reasoning": "Greet."},
         {"content": "Yo", "thinking": "Greet."},
+        {"content": "Greet.</think>Yo"},  # the opening tag was the template's
     ],
-    ids=["inline", "inline-newlines", "reasoning", "thinking"],
+    ids=["inline", "inline-newlines", "reasoning", "thinking", "inline-close-only"],
 )
 def test_inline_think_and_reasoning_aliases_give_the_same_sample(kimi, assistant):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", **assistant}]}
@@ -182,6 +183,26 @@ def test_tool_calls_results_and_tools_render_as_kimi_and_the_tool_loop_is_one_sa
     second_context = s.input_ids[: len(s.loss_mask) - len(ids_of(["Report.", UNTHINK, "Snow.", END]))]
     assert context_of(s) == serving_prompt(kimi, TOOL_ROW, 2)
     assert second_context == serving_prompt(kimi, TOOL_ROW, 4)
+
+
+def test_template_with_a_default_system_prompt_still_gives_exact_samples():
+    tok = build_kimi_tokenizer()
+    default = "You are Kimi."
+    tok.chat_template = (
+        "{%- if not messages or messages[0]['role'] != 'system' -%}"
+        "<|im_system|>system<|im_middle|>" + default + "<|im_end|>{%- endif -%}" + tok.chat_template
+    )
+    row = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Yo", "reasoning_content": "Greet."},
+        ]
+    }
+    (s,) = samples(tok, row)
+    assert (s.input_ids, s.loss_mask) == expect(
+        ([SYSTEM, "system", MIDDLE, default, END] + user("Hi") + prompt(), 0),
+        (["Greet.", UNTHINK, "Yo", END], 1),
+    )
 
 
 def test_instant_mode_supervises_no_reasoning_and_prompts_end_with_empty_think(kimi):
