@@ -128,7 +128,7 @@ def _load_dataset(path: Path, split: str) -> Any:
     return ds
 
 
-def _row_id(row: dict[str, Any]) -> str | None:
+def row_id_of(row: dict[str, Any]) -> str | None:
     row_id = row.get("id")
     if row_id is not None and (not isinstance(row_id, (str, int)) or isinstance(row_id, bool)):
         raise RowRejected(f"id has type {type(row_id).__name__}, expected string or integer")
@@ -147,7 +147,7 @@ def normalize_row(row: Any) -> Conversation:
     """
     if not isinstance(row, dict):
         raise RowRejected(f"row is {type(row).__name__}, expected an object")
-    row_id = _row_id(row)
+    row_id = row_id_of(row)
     turns = row.get("messages", row.get("conversations"))
     if turns is None:
         raise RowRejected("no `messages` or `conversations` field")

@@ -30,9 +30,9 @@ from eagle3_pipeline.conversations import (
     Conversation,
     NotAppendOnly,
     RowRejected,
-    _row_id,
     normalize_row,
     render_ids,
+    row_id_of,
     tokenize_conversation,
 )
 
@@ -69,7 +69,7 @@ def conversation_id(sample_id: str) -> str:
 def row_samples(row_value: Any, row_index: int, tokenizer: Any, opts: SampleOptions) -> list[Sample]:
     """The training samples of one row (at least one), or RowRejected with the reason."""
     if isinstance(row_value, dict) and row_value.get("token_samples") is not None:
-        row_id = _row_id(row_value)
+        row_id = row_id_of(row_value)
         units = merge_append_only(token_pairs(row_value["token_samples"], len(tokenizer)))
     else:
         conv = normalize_row(row_value)
