@@ -186,7 +186,7 @@ def normalize_row(row: Any) -> Conversation:
             call_id = turn.get("tool_call_id")
             if call_id is not None and not isinstance(call_id, str):
                 raise RowRejected(f"turn {n} tool_call_id is {type(call_id).__name__}, expected a string")
-            message["tool_call_id"] = call_id if call_id is not None else calls.answer(n)
+            message["tool_call_id"] = calls.answer(n, call_id)
             name = turn.get("name")
             if isinstance(name, str):
                 message["name"] = name
@@ -318,7 +318,11 @@ class _CallIds:
             self.count += 1
             self.open.append(call["id"])
 
-    def answer(self, n: int) -> str:
+    def answer(self, n: int, call_id: str | None) -> str:
+        if call_id is not None:
+            if call_id in self.open:
+                self.open.remove(call_id)
+            return call_id
         if not self.open:
             raise RowRejected(f"turn {n} is a tool result without tool_call_id and no open tool call")
         return self.open.pop(0)

@@ -288,6 +288,26 @@ def test_sharegpt_function_call_and_observation_are_tool_turns(kimi):
     assert conv.messages[1]["tool_calls"][0]["id"] == "functions.get_weather:0"
     assert conv.messages[2]["tool_call_id"] == "functions.get_weather:0"
     (s,) = samples(kimi, sharegpt, **INSTANT)
+    two_calls = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "functions.a:0", "function": {"name": "a", "arguments": "{}"}},
+            {"function": {"name": "b", "arguments": "{}"}},
+        ],
+    }
+    conv = normalize_row(
+        {
+            "messages": [
+                {"role": "user", "content": "Q"},
+                two_calls,
+                {"role": "tool", "tool_call_id": "functions.a:0", "content": "1"},
+                {"role": "tool", "content": "2"},
+                {"role": "assistant", "content": "A"},
+            ]
+        }
+    )
+    assert [m.get("tool_call_id") for m in conv.messages[2:4]] == ["functions.a:0", "functions.b:1"]
     assert "## Return of functions.get_weather:0\nsnow" in kimi.decode(s.input_ids)
 
 
