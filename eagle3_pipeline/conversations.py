@@ -161,13 +161,13 @@ def normalize_row(row: Any) -> Conversation:
     for n, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RowRejected(f"turn {n} is {type(turn).__name__}, expected an object")
-        role = turn.get("role", turn.get("from"))
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
         if not isinstance(role, str):
             raise RowRejected(f"turn {n} has no role")
         if role.lower() not in ROLE_ALIASES:
             raise RowRejected(f"turn {n} has unknown role {role!r} (known: {sorted(ROLE_ALIASES)})")
         kind = ROLE_ALIASES[role.lower()]
-        raw_content = turn.get("content", turn.get("value"))
+        raw_content = turn.get("content") if turn.get("content") is not None else turn.get("value")
         if kind == "function_call":  # ShareGPT: the call itself is the value, as JSON
             message = {"role": "assistant", "content": "", "tool_calls": [_sharegpt_call(n, raw_content)]}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
@@ -180,7 +180,7 @@ def normalize_row(row: Any) -> Conversation:
         if kind == "assistant":
             _assistant_fields(n, turn, message)
             calls.assign(n, message)
-            if not (content.strip() or message.get("reasoning_content") or message.get("tool_calls")):
+            if not (message["content"].strip() or "reasoning_content" in message or "tool_calls" in message):
                 raise RowRejected(f"turn {n} ({role}) is empty")
         elif kind == "tool":
             call_id = turn.get("tool_call_id")
@@ -260,7 +260,7 @@ def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> 
     # Templates strip the newlines around reasoning themselves (Qwen3 and Kimi write `<think>R</think>A`);
     # stored data often has `<think>\nR\n</think>\n\nA`.
     message["content"] = content.lstrip("\n") if reasoning is not None else content
-    if reasoning is not None and reasoning.strip("\n"):
+    if reasoning is not None and reasoning.strip():
         message["reasoning_content"] = reasoning.strip("\n")
     raw_calls = turn.get("tool_calls")
     if raw_calls is None and isinstance(turn.get("function_call"), dict):  # legacy OpenAI form

@@ -318,6 +318,7 @@ def test_sharegpt_function_call_and_observation_are_tool_turns(kimi):
         ({"role": "assistant", "content": "<think>a</think>b", "reasoning_content": "c"}, "both in"),
         ({"role": "assistant", "content": "x", "reasoning": "a", "thinking": "b"}, "several keys"),
         ({"role": "assistant", "content": None}, "is empty"),
+        ({"role": "assistant", "content": "<think> </think>\n"}, "is empty"),
         (
             {"role": "assistant", "content": "x", "tool_calls": [{"function": {"arguments": "{}"}}]},
             "function name",
