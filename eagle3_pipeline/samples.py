@@ -179,7 +179,10 @@ class KimiK25Rules:
         if to_id is None:
             return None
         unk = getattr(tokenizer, "unk_token_id", None)
-        ids = [to_id(t) for t in cls.TOKENS]
+        try:
+            ids = [to_id(t) for t in cls.TOKENS]
+        except (KeyError, ValueError, TypeError):  # remote-code tokenizers may raise on unknown tokens
+            return None
         return cls() if all(i is not None and i != unk for i in ids) else None
 
     def is_thinking(self, tokenizer: Any, kwargs: dict[str, Any]) -> bool:
