@@ -2,8 +2,10 @@
 """Stage 01: run the verifier over conversations and store its hidden states at the aux layers.
 
 Inputs:  a verifier checkpoint (Hugging Face layout; Kimi-K2.5's nested `text_config` is fine) and
-         conversations (.jsonl/.json rows in OpenAI `messages` or ShareGPT `conversations` form, or a
-         `datasets` folder saved with save_to_disk).
+         conversations (.jsonl/.json rows in OpenAI `messages` or ShareGPT `conversations` form, with
+         reasoning, tool calls and `tools`, or `token_samples` rows from 00_regenerate.py, or a `datasets`
+         folder saved with save_to_disk). Each assistant turn's context is its serving prompt under
+         --chat-template-kwargs; the loss mask covers what the model generates (README "Kimi-K2.5 data").
 Output:  one shard `<out-dir>/rows_<start>-<end>/` per row range: input_ids, assistant-only loss_mask,
          aux hidden states at `aux_layer_ids` (vLLM convention: id i = HF hidden_states[i]) and the last
          layer's pre-norm output for the teacher, in safetensors part files, with manifest.json
@@ -18,6 +20,8 @@ Examples:
   # a shell loop over shards (each one resumable, the loop stops on the first failure)
   set -euo pipefail; for s in $(seq 0 2000 600000); do
     python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row $s --end-row $((s+2000)); done
+  # Kimi-K2.5 in instant mode (the config's default is thinking mode)
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --chat-template-kwargs '{"thinking":false}'
   # the tiny CI verifier
   python 01_extract_hidden_states.py --config configs/tiny.toml
 """

@@ -2,7 +2,8 @@
 """Stage 06: mean acceptance length and per-position acceptance of an export, before deploying it.
 
 Inputs:  an export folder (stage 05), the verifier (default: the one the export records) and
-         conversations whose first user turn(s) become prompts (--start-row, --num-prompts).
+         conversations whose first user turn(s) become prompts (--start-row, --num-prompts), rendered
+         with the chat_template_kwargs the training shards were extracted with (or --chat-template-kwargs).
 Engines: sim   this project's PyTorch run of vLLM's greedy EAGLE-3 chain, reading the export files
                exactly as vLLM does (head_dim, aux ids, d2t and norm flags from config.json);
          vllm  the real vLLM engine in its own environment (scripts/setup_vllm_cpu.sh on CPU);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -23,6 +24,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its help text (and optional flag aliases)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -73,8 +76,22 @@ class ExtractConfig:
         "hidden_states[i], the residual stream entering layer i); "
         "default (2, N//2, N-3), [2, 30, 58] for Kimi-K2.5.",
     )
-    max_seq_len: int = _f(4096, "Rows whose templated conversation is longer are rejected (rejects.jsonl).")
-    samples_per_file: int = _f(64, "Samples per safetensors part file (the unit of resume).")
+    max_seq_len: int = _f(
+        4096,
+        "Longest sample in tokens; a row with a longer sample is rejected (rejects.jsonl) unless --truncate.",
+    )
+    truncate: bool = _f(
+        False,
+        "Cut a sample longer than max_seq_len to its first max_seq_len tokens, supervising only what fits, "
+        "instead of rejecting the row (counted as num_truncated in meta.json).",
+    )
+    chat_template_kwargs: dict[str, Any] = _f(
+        {},
+        "Extra chat-template variables, a TOML table or a JSON object on the command line, e.g. "
+        "'{\"thinking\": false}' for Kimi-K2.5's instant mode (default: its thinking mode); recorded in "
+        "meta.json, and 06_evaluate.py builds its prompts with the same.",
+    )
+    samples_per_file: int = _f(64, "Input rows per safetensors part file (the unit of resume).")
     max_batch_tokens: int = _f(
         4096,
         "Padded tokens per verifier forward (batch x longest sequence, longest first); a longer sample runs "
@@ -206,6 +223,11 @@ class EvaluateConfig:
     trust_remote_code: bool = _f(
         False, "Allow the verifier's own code (Kimi-K2.5's tiktoken tokenizer needs it)."
     )
+    chat_template_kwargs: dict[str, Any] | None = _f(
+        None,
+        "Chat-template variables for the prompts (JSON object, e.g. '{\"thinking\": false}'); default: the "
+        "ones the training shards were extracted with (export -> training run -> shards' meta.json).",
+    )
 
 
 STAGE_CONFIGS = {
@@ -245,8 +267,21 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         elif typing.get_origin(tp) is list:
             item = typing.get_args(tp)[0]
             parser.add_argument(*flags, dest=f.name, nargs="+", type=item, default=None, help=help_text)
+        elif typing.get_origin(tp) is dict:
+            parser.add_argument(*flags, dest=f.name, type=json_object, default=None, help=help_text)
         else:
             parser.add_argument(*flags, dest=f.name, type=tp, default=None, help=help_text)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A dict-valued flag: a JSON object such as '{"thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": value}}', got {text!r}")
+    return value
 
 
 def load_config_file(path: str | None, section: str) -> dict[str, Any]:
@@ -308,6 +343,8 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
             isinstance(v, item) and not isinstance(v, bool) or (item is str and isinstance(v, str))
             for v in value
         )
+    elif typing.get_origin(tp) is dict:
+        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif tp is int:

@@ -1,10 +1,11 @@
-"""Conversation rows in, (input_ids, loss_mask) out; a bad row becomes a reason, never a traceback.
+"""Conversation rows in, normalised for the chat template; a bad row becomes a reason, never a traceback.
 
-Accepted rows: OpenAI `{"messages": [{"role", "content"}]}` and ShareGPT
+Accepted rows: OpenAI `{"messages": [{"role", "content", ...}], "tools": [...]}` and ShareGPT
 `{"conversations": [{"from", "value"}]}` (role/content inside `conversations` works too), optional `id`.
-Sources: .jsonl (one row per line), .json (a list of rows), or a folder saved by `datasets`.
-The loss mask marks assistant tokens only, every assistant turn of a multi-turn conversation, found by
-rendering the chat template up to each turn, so it works for any template (no `{% generation %}` needed).
+Sources: .jsonl (one row per line; a UTF-8 BOM is ignored), .json (a list of rows), or a folder saved
+by `datasets`. What generation needs is kept (issue 8): reasoning, tool calls, tool results and the
+row's tool declarations; see `normalize_row`. Rows become training samples in samples.py.
+`tokenize_conversation` is the single-sample method for append-only templates.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ ROLE_ALIASES = {
     "bot": "assistant",
     "model": "assistant",
     "system": "system",
+    "developer": "system",  # OpenAI's newer name for the system turn
+    "tool": "tool",
+    "function": "tool",  # OpenAI's legacy role of a function result
+    "observation": "tool",  # ShareGPT tool result
+    "function_call": "function_call",  # ShareGPT: an assistant tool call, its value the call as JSON
 }
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # vLLM/DeepSeek, OpenRouter, others
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MULTIMODAL_PART_TYPES = ("image_url", "image", "input_image", "video", "video_url", "audio", "input_audio")
+UTF8_BOM = "\ufeff"
 
 
 class RowRejected(Exception):
@@ -41,11 +51,10 @@ class RawRow:
 
 
 @dataclass
-class Sample:
-    row_index: int
-    sample_id: str
-    input_ids: list[int]
-    loss_mask: list[int]
+class Conversation:
+    row_id: str | None
+    messages: list[dict[str, Any]]  # OpenAI message dicts, as chat templates read them
+    tools: list[dict[str, Any]] | None = None  # the row's tool declarations, passed to the template
 
 
 def count_rows(path: Path, split: str = "train") -> int:
@@ -82,6 +91,7 @@ def _parse_line(index: int, line: bytes) -> RawRow:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
         return RawRow(index, error=f"not UTF-8 ({e.reason} at byte {e.start})")
+    text = text.removeprefix(UTF8_BOM)  # editors on Windows start files with one (issue 8)
     if not text.strip():
         return RawRow(index, error="empty line")
     try:
@@ -94,7 +104,7 @@ def _load_json_list(path: Path) -> list[Any]:
     if not path.is_file():
         raise UserError(f"{path}: data file not found")
     try:
-        rows = json.loads(path.read_bytes().decode("utf-8"))
+        rows = json.loads(path.read_bytes().decode("utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(
             f"{path}: not a valid UTF-8 JSON file ({e}); use .jsonl to have bad rows rejected one by one"
@@ -118,13 +128,26 @@ def _load_dataset(path: Path, split: str) -> Any:
     return ds
 
 
-def normalize_messages(row: Any) -> tuple[str | None, list[dict[str, str]]]:
-    """(id, [{"role", "content"}]) of a row, or RowRejected with the reason."""
+def row_id_of(row: dict[str, Any]) -> str | None:
+    row_id = row.get("id")
+    if row_id is not None and (not isinstance(row_id, (str, int)) or isinstance(row_id, bool)):
+        raise RowRejected(f"id has type {type(row_id).__name__}, expected string or integer")
+    return None if row_id is None else str(row_id)
+
+
+def normalize_row(row: Any) -> Conversation:
+    """The row as the chat template needs it (OpenAI message dicts plus the row's `tools`), or RowRejected.
+
+    Kept per turn: `content` (a string; text parts joined), `reasoning_content` (from `reasoning_content`,
+    `reasoning`, `thinking`, or a leading inline `<think>R</think>` in an assistant's content: issue 8),
+    `tool_calls` (OpenAI form, arguments as a JSON string, ids `functions.<name>:<n>` when missing, the
+    form Kimi-K2.5 writes), `tool_call_id` and `name` of tool results. ShareGPT `function_call` turns
+    become assistant tool calls, `observation` turns tool results. Null fields count as absent (a
+    `datasets` folder fills missing keys with None).
+    """
     if not isinstance(row, dict):
         raise RowRejected(f"row is {type(row).__name__}, expected an object")
-    row_id = row.get("id")
-    if row_id is not None and not isinstance(row_id, (str, int)):
-        raise RowRejected(f"id has type {type(row_id).__name__}, expected string or integer")
+    row_id = row_id_of(row)
     turns = row.get("messages", row.get("conversations"))
     if turns is None:
         raise RowRejected("no `messages` or `conversations` field")
@@ -132,63 +155,235 @@ def normalize_messages(row: Any) -> tuple[str | None, list[dict[str, str]]]:
         raise RowRejected(f"turns are {type(turns).__name__}, expected a list")
     if not turns:
         raise RowRejected("no turns")
-    messages = []
+    tools = _tools(row.get("tools"))
+    messages: list[dict[str, Any]] = []
+    calls = _CallIds()
     for n, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RowRejected(f"turn {n} is {type(turn).__name__}, expected an object")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
         if not isinstance(role, str):
             raise RowRejected(f"turn {n} has no role")
         if role.lower() not in ROLE_ALIASES:
             raise RowRejected(f"turn {n} has unknown role {role!r} (known: {sorted(ROLE_ALIASES)})")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise RowRejected(f"turn {n} has non-text content parts")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RowRejected(f"turn {n} content is {type(content).__name__}, expected a string")
-        if not content.strip():
+        kind = ROLE_ALIASES[role.lower()]
+        raw_content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if kind == "function_call":  # ShareGPT: the call itself is the value, as JSON
+            message = {"role": "assistant", "content": "", "tool_calls": [_sharegpt_call(n, raw_content)]}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
+                message = {**messages.pop(), "tool_calls": message["tool_calls"]}
+            calls.assign(n, message)
+            messages.append(message)
+            continue
+        content = _content(n, raw_content)
+        message = {"role": kind, "content": content}
+        if kind == "assistant":
+            _assistant_fields(n, turn, message)
+            calls.assign(n, message)
+            if not (message["content"].strip() or "reasoning_content" in message or "tool_calls" in message):
+                raise RowRejected(f"turn {n} ({role}) is empty")
+        elif kind == "tool":
+            call_id = turn.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise RowRejected(f"turn {n} tool_call_id is {type(call_id).__name__}, expected a string")
+            message["tool_call_id"] = calls.answer(n, call_id)
+            name = turn.get("name")
+            if isinstance(name, str):
+                message["name"] = name
+        elif not content.strip():
             raise RowRejected(f"turn {n} ({role}) is empty")
-        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise RowRejected("no assistant turn")
-    return (None if row_id is None else str(row_id)), messages
+    return Conversation(row_id, messages, tools)
 
 
-def _render_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def normalize_messages(row: Any) -> tuple[str | None, list[dict[str, Any]]]:
+    """(id, messages) of a row, or RowRejected with the reason (see normalize_row)."""
+    conv = normalize_row(row)
+    return conv.row_id, conv.messages
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # some ShareGPT exports store the declarations as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise RowRejected(f"tools is a string that is not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RowRejected(f"tools is {type(tools).__name__}, expected a list of objects")
+    return tools or None
+
+
+def _content(n: int, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):  # OpenAI content parts: text only
+        for p in content:
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in MULTIMODAL_PART_TYPES:
+                raise RowRejected(
+                    f"turn {n} has {kind} content: multimodal rows are not supported (the draft is "
+                    "trained on text only; the verifier's vision tower is not run)"
+                )
+            if kind != "text" or not isinstance(p.get("text"), str):
+                raise RowRejected(f"turn {n} has non-text content parts")
+        return "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise RowRejected(f"turn {n} content is {type(content).__name__}, expected a string")
+    return content
+
+
+def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> None:
+    """reasoning_content and tool_calls of an assistant turn, in place."""
+    given = [k for k in REASONING_KEYS if turn.get(k) is not None]
+    if len(given) > 1:
+        raise RowRejected(f"turn {n} has reasoning under several keys: {given}")
+    reasoning = turn[given[0]] if given else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise RowRejected(f"turn {n} {given[0]} is {type(reasoning).__name__}, expected a string")
+    content = message["content"]
+    opens = content.lstrip().startswith(THINK_OPEN)
+    # inline reasoning: `<think>R</think>A`, or `R</think>A` where the template wrote the opening tag
+    # (DeepSeek-R1-style exports)
+    if opens or (THINK_CLOSE in content and THINK_OPEN not in content):
+        if reasoning is not None:
+            raise RowRejected(f"turn {n} has reasoning both in {given[0]} and inline in <think>")
+        inner, sep, rest = content.lstrip()[len(THINK_OPEN) if opens else 0 :].partition(THINK_CLOSE)
+        if not sep:
+            raise RowRejected(f"turn {n} opens {THINK_OPEN} in its content and never closes it")
+        reasoning, content = inner, rest
+    if THINK_OPEN in content or THINK_CLOSE in content:
+        raise RowRejected(f"turn {n} has {THINK_OPEN} or {THINK_CLOSE} inside its answer")
+    # Templates strip the newlines around reasoning themselves (Qwen3 and Kimi write `<think>R</think>A`);
+    # stored data often has `<think>\nR\n</think>\n\nA`.
+    message["content"] = content.lstrip("\n") if reasoning is not None else content
+    if reasoning is not None and reasoning.strip():
+        message["reasoning_content"] = reasoning.strip("\n")
+    raw_calls = turn.get("tool_calls")
+    if raw_calls is None and isinstance(turn.get("function_call"), dict):  # legacy OpenAI form
+        raw_calls = [{"type": "function", "function": turn["function_call"]}]
+    if raw_calls is not None:
+        if not isinstance(raw_calls, list):
+            raise RowRejected(f"turn {n} tool_calls is {type(raw_calls).__name__}, expected a list")
+        if raw_calls:
+            message["tool_calls"] = [_tool_call(n, c) for c in raw_calls]
+
+
+def _tool_call(n: int, call: Any) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise RowRejected(f"turn {n} has a tool call that is {type(call).__name__}, expected an object")
+    fn = call.get("function", call)  # {"function": {"name", "arguments"}} or flat {"name", "arguments"}
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise RowRejected(f"turn {n} has a tool call without a function name")
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, (dict, list)):  # the API sends arguments as a JSON string
+        args = json.dumps(args, ensure_ascii=False)
+    if not isinstance(args, str):
+        raise RowRejected(f"turn {n} tool call arguments are {type(args).__name__}, expected JSON")
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise RowRejected(f"turn {n} tool call id is {type(call_id).__name__}, expected a string")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if call_id:
+        out["id"] = call_id
+    return out
+
+
+def _sharegpt_call(n: int, value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowRejected(f"turn {n} function_call is not JSON ({e.msg})") from None
+    return _tool_call(n, value)
+
+
+class _CallIds:
+    """Tool-call ids of a conversation: missing ones become `functions.<name>:<k>`, k counting every
+    call so far (the form Kimi-K2.5 generates); a tool result without an id answers the oldest open call."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open: list[str] = []
+
+    def assign(self, n: int, message: dict[str, Any]) -> None:
+        if "tool_calls" not in message:
+            return
+        self.open = []
+        for call in message["tool_calls"]:
+            call.setdefault("id", f"functions.{call['function']['name']}:{self.count}")
+            self.count += 1
+            self.open.append(call["id"])
+
+    def answer(self, n: int, call_id: str | None) -> str:
+        if call_id is not None:
+            if call_id in self.open:
+                self.open.remove(call_id)
+            return call_id
+        if not self.open:
+            raise RowRejected(f"turn {n} is a tool result without tool_call_id and no open tool call")
+        return self.open.pop(0)
+
+
+def render_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The template's rendering of `messages`, tokenized as vLLM tokenizes a chat prompt (the special
+    tokens are in the text, none added)."""
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+class NotAppendOnly(RowRejected):
+    """The template re-renders earlier turns, so one rendering cannot hold every turn's tokens."""
+
+
 def tokenize_conversation(
-    tokenizer: Any, messages: list[dict[str, str]], max_seq_len: int
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    max_seq_len: int,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Template the conversation; mask = 1 on the tokens of every assistant turn (its end token too)."""
+    """Template the conversation; mask = 1 on the tokens of every assistant turn (its end token too).
+
+    Exact for append-only templates: turn i's serving prompt (turns before it plus the generation
+    prompt) is then a prefix of the whole rendering. A leading assistant turn has no prompt (a template
+    cannot render an empty conversation) and stays unsupervised context.
+    """
     try:
-        ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
+        ids = render_ids(tokenizer, messages, False, tools, template_kwargs)
+        if len(ids) > max_seq_len:
+            raise RowRejected(f"{len(ids)} tokens > max_seq_len {max_seq_len}")
+        mask = [0] * len(ids)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or i == 0:
+                continue
+            before = render_ids(tokenizer, messages[:i], True, tools, template_kwargs)
+            through = render_ids(tokenizer, messages[: i + 1], False, tools, template_kwargs)
+            if through[: len(before)] != before or ids[: len(through)] != through:
+                raise NotAppendOnly(
+                    f"chat template is not prefix-stable at turn {i} (it re-renders earlier "
+                    "turns), so assistant tokens cannot be located"
+                )
+            for t in range(len(before), len(through)):
+                mask[t] = 1
+    except RowRejected:
+        raise
     except Exception as e:  # noqa: BLE001 - a template error is about this row's content
         raise RowRejected(f"chat template failed: {type(e).__name__}: {e}") from None
-    if len(ids) > max_seq_len:
-        raise RowRejected(f"{len(ids)} tokens > max_seq_len {max_seq_len}")
-    mask = [0] * len(ids)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render_ids(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if through[: len(before)] != before or ids[: len(through)] != through:
-            raise RowRejected(
-                f"chat template is not prefix-stable at turn {i} (it re-renders earlier "
-                "turns), so assistant tokens cannot be located"
-            )
-        for t in range(len(before), len(through)):
-            mask[t] = 1
     if not any(mask):
         raise RowRejected("the chat template left no assistant tokens")
     return ids, mask

@@ -18,9 +18,10 @@ from eagle3_pipeline import storage
 from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, verifier_greedy_with_aux
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import EvaluateConfig, config_to_dict
-from eagle3_pipeline.conversations import RowRejected, normalize_messages, read_rows
+from eagle3_pipeline.conversations import RowRejected, read_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.reference_draft import ReferenceDraft
+from eagle3_pipeline.samples import first_prompt
 from eagle3_pipeline.verifier import (
     AuxCapture,
     find_decoder_layers,
@@ -38,8 +39,16 @@ log = logging.getLogger("eagle3.evaluate")
 RATE_TOLERANCE = 0.05
 
 
-def build_prompts(tokenizer: Any, data_path: Path, start: int, n: int) -> list[list[int]]:
-    """Each usable conversation up to (not including) its first assistant turn, with the generation prompt."""
+def build_prompts(
+    tokenizer: Any,
+    data_path: Path,
+    start: int,
+    n: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[list[int]]:
+    """Each usable conversation up to (not including) its first assistant turn, with the generation
+    prompt: the serving prompt stage 01 would use as that turn's context (samples.first_prompt), under
+    the same template settings."""
     prompts: list[list[int]] = []
     for raw in read_rows(data_path, start, 10**12):
         if len(prompts) >= n:
@@ -47,15 +56,36 @@ def build_prompts(tokenizer: Any, data_path: Path, start: int, n: int) -> list[l
         if raw.error:
             continue
         try:
-            _, messages = normalize_messages(raw.value)
+            prompts.append(first_prompt(raw.value, tokenizer, chat_template_kwargs or {}))
         except RowRejected:
             continue
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(messages[:first], tokenize=False, add_generation_prompt=True)
-        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     if not prompts:
         raise UserError(f"{data_path}: no usable prompts from row {start}")
     return prompts
+
+
+def training_template_kwargs(draft_dir: Path) -> dict[str, Any]:
+    """The chat_template_kwargs the draft's training shards were extracted with, found through
+    export_meta.json (train_dir) -> the training run's meta.json (shards) -> each shard's meta.json."""
+    import json
+
+    try:
+        train_dir = Path(storage.read_json(draft_dir / "export_meta.json")["train_dir"])
+        shards = storage.read_json(train_dir / storage.META_NAME)["shards"]
+        metas = [storage.read_json(Path(s) / storage.META_NAME) for s in shards]
+    except (UserError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{draft_dir}: cannot find the chat_template_kwargs training used ({type(e).__name__}: {e}); "
+            "pass --chat-template-kwargs"
+        ) from None
+    # shards from before issue 8 carry no kwargs: they were rendered with none
+    found = {json.dumps(m.get("chat_template_kwargs", {}), sort_keys=True) for m in metas}
+    if len(found) != 1:
+        raise UserError(
+            f"{draft_dir}: its training shards were extracted with different chat_template_kwargs "
+            f"{sorted(found)}; pass --chat-template-kwargs"
+        )
+    return json.loads(found.pop())
 
 
 def simulate(
@@ -119,12 +149,17 @@ def run(cfg: EvaluateConfig) -> int:
         cfg.verifier_path or storage.read_json(draft_dir / "export_meta.json")["verifier_path"]
     )
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
-    prompts = build_prompts(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts)
+    template_kwargs = cfg.chat_template_kwargs
+    if template_kwargs is None:
+        template_kwargs = training_template_kwargs(draft_dir)
+        log.info("chat_template_kwargs %s (as the training shards were extracted)", template_kwargs)
+    prompts = build_prompts(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts, template_kwargs)
     k = cfg.num_speculative_tokens
     result: dict[str, Any] = {
         "draft_dir": str(draft_dir.resolve()),
         "verifier_path": str(verifier_path),
         "num_prompts": len(prompts),
+        "chat_template_kwargs": template_kwargs,
         "max_new_tokens": cfg.max_new_tokens,
         "num_speculative_tokens": k,
         "config": config_to_dict(cfg),

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,9 @@ import torch
 from eagle3_pipeline import storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import ExtractConfig, config_to_dict
-from eagle3_pipeline.conversations import (
-    RowRejected,
-    count_rows,
-    normalize_messages,
-    read_rows,
-    tokenize_conversation,
-)
+from eagle3_pipeline.conversations import RawRow, RowRejected, count_rows, read_rows
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.samples import Sample, SampleOptions, row_samples
 from eagle3_pipeline.verifier import (
     AuxCapture,
     check_aux_layer_ids,
@@ -92,6 +88,8 @@ def run(cfg: ExtractConfig) -> int:
         "row_range": [start, end],
         "max_seq_len": cfg.max_seq_len,
         "samples_per_file": cfg.samples_per_file,
+        "chat_template_kwargs": cfg.chat_template_kwargs,  # 06_evaluate.py builds its prompts with these
+        "truncate": cfg.truncate,
     }
 
     if storage.is_complete(shard) and not cfg.overwrite:
@@ -158,45 +156,29 @@ def _extract_parts(
     model = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
     capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
-    line_note = " (line {})" if Path(cfg.data_path).suffix == ".jsonl" else ""
+    opts = SampleOptions(cfg.max_seq_len, cfg.truncate, cfg.chat_template_kwargs)
     t0, rows_done, tokens_done = time.time(), 0, 0
     try:
         for n, (a, b) in todo:
             seen = _seen_ids(shard, blocks, n)
-            samples, rejects, accepted = [], [], []
+            samples = []
             tensors: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
-            for raw in read_rows(Path(cfg.data_path), a, b, cfg.data_split):
-                try:
-                    if raw.error:
-                        raise RowRejected(raw.error)
-                    row_id, messages = normalize_messages(raw.value)
-                    sample_id = row_id if row_id is not None else f"row-{raw.index}"
-                    if sample_id in seen:
-                        raise RowRejected(f"duplicate id {sample_id!r} (first at row {seen[sample_id]})")
-                    ids, mask = tokenize_conversation(tokenizer, messages, cfg.max_seq_len)
-                except RowRejected as e:
-                    rejects.append({"row": raw.index, "reason": str(e)})
-                    if len(rejects) <= MAX_REJECTS_LOGGED_PER_PART:
-                        log.warning(
-                            "%s row %d%s: rejected: %s",
-                            cfg.data_path,
-                            raw.index,
-                            line_note.format(raw.index + 1),
-                            e,
-                        )
-                    continue
-                seen[sample_id] = raw.index
-                accepted.append((raw.index, sample_id, ids, mask))
-            for (row, sample_id, ids, mask), (aux, last) in zip(
-                accepted, _forward_batched(model, capture, [x[2] for x in accepted], cfg.max_batch_tokens)
-            ):
+            accepted, rejects = block_samples(
+                read_rows(Path(cfg.data_path), a, b, cfg.data_split), tokenizer, opts, seen, cfg.data_path
+            )
+            sequences = [smp.input_ids for _, smp in accepted]
+            states = _forward_batched(model, capture, sequences, cfg.max_batch_tokens)
+            for (row, smp), (aux, last) in zip(accepted, states):
+                ids, mask = smp.input_ids, smp.loss_mask
                 tensors["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
                 tensors["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
                 tensors["aux"].append(aux.to("cpu", dtype))
                 tensors["last"].append(last.to("cpu", dtype))
-                samples.append(
-                    {"id": sample_id, "row": row, "num_tokens": len(ids), "num_loss_tokens": int(sum(mask))}
-                )
+                info = {"id": smp.sample_id, "row": row, "num_tokens": len(ids)}
+                info["num_loss_tokens"] = int(sum(mask))
+                if smp.truncated_from is not None:
+                    info["truncated_from"] = smp.truncated_from
+                samples.append(info)
                 tokens_done += len(ids)
             _write_part(shard, n, samples, rejects, tensors, (a, b))
             rows_done += b - a
@@ -215,6 +197,42 @@ def _extract_parts(
     finally:
         bar.close()
         capture.remove()
+
+
+def block_samples(
+    raws: Iterable[RawRow], tokenizer: Any, opts: SampleOptions, seen: dict[str, int], source: str = ""
+) -> tuple[list[tuple[int, Sample]], list[dict[str, Any]]]:
+    """([(row index, sample)], rejects) of a block of rows. No exception escapes for any row (issue 8):
+    a bad row is a reason in rejects, an unexpected error too (logged with its traceback), so every row
+    is written or rejected. `seen` (sample id -> row) is updated with the accepted samples."""
+    accepted: list[tuple[int, Sample]] = []
+    rejects: list[dict[str, Any]] = []
+    line_note = " (line {})" if source.endswith(".jsonl") else ""
+    for raw in raws:
+        try:
+            if raw.error:
+                raise RowRejected(raw.error)
+            row = row_samples(raw.value, raw.index, tokenizer, opts)
+            for s in row:
+                if s.sample_id in seen:
+                    raise RowRejected(f"duplicate id {s.sample_id!r} (first at row {seen[s.sample_id]})")
+        except Exception as e:  # noqa: BLE001 - no row may stop the shard
+            reason = str(e) if isinstance(e, RowRejected) else f"unexpected {type(e).__name__}: {e}"
+            rejects.append({"row": raw.index, "reason": reason})
+            if len(rejects) <= MAX_REJECTS_LOGGED_PER_PART:
+                log.warning(
+                    "%s row %d%s: rejected: %s",
+                    source,
+                    raw.index,
+                    line_note.format(raw.index + 1),
+                    reason,
+                    exc_info=not isinstance(e, RowRejected),
+                )
+            continue
+        for s in row:  # a row's samples stay together, in one part
+            seen[s.sample_id] = raw.index
+            accepted.append((raw.index, s))
+    return accepted, rejects
 
 
 def _forward_batched(
@@ -283,18 +301,22 @@ def _finish_shard(
     cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]], settings: dict[str, Any]
 ) -> None:
     files, rejects = [], []
-    num_samples = num_tokens = num_loss_tokens = 0
+    num_samples = num_tokens = num_loss_tokens = num_rows_written = num_truncated = 0
     for n in range(len(blocks)):
         info = storage.read_json(shard / f"part-{n:05d}.json")
         rejects.extend(info["rejects"])
         if info["file"]:
             files.append({k: info[k] for k in ("file", "sha256", "bytes", "samples")})
             num_samples += len(info["samples"])
+            num_rows_written += len({s["row"] for s in info["samples"]})  # a row may give several samples
+            num_truncated += sum("truncated_from" in s for s in info["samples"])
             num_tokens += sum(s["num_tokens"] for s in info["samples"])
             num_loss_tokens += sum(s["num_loss_tokens"] for s in info["samples"])
     num_rows = settings["row_range"][1] - settings["row_range"][0]
-    if num_samples + len(rejects) != num_rows:  # every input row is written or rejected
-        raise RuntimeError(f"{shard}: {num_samples} written + {len(rejects)} rejected != {num_rows} rows")
+    if num_rows_written + len(rejects) != num_rows:  # every input row is written or rejected
+        raise RuntimeError(
+            f"{shard}: {num_rows_written} written + {len(rejects)} rejected != {num_rows} rows"
+        )
     storage.write_json_atomic(shard / "manifest.json", {"files": files})
     storage.write_bytes_atomic(
         shard / "rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects).encode()
@@ -306,7 +328,9 @@ def _finish_shard(
         "hidden_size": settings["verifier"]["hidden_size"],
         "num_aux_layers": len(settings["aux_layer_ids"]),
         "num_rows": num_rows,
+        "num_rows_written": num_rows_written,
         "num_samples": num_samples,
+        "num_truncated": num_truncated,
         "num_rejected": len(rejects),
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss_tokens,
@@ -320,10 +344,13 @@ def _finish_shard(
     for n in range(len(blocks)):  # only now: a crash before COMPLETE must find every finished part
         (shard / f"part-{n:05d}.json").unlink()
     log.info(
-        "done %s | rows %d | samples %d | rejected %d (see rejects.jsonl) | tokens %d | loss tokens %d",
+        "done %s | rows %d | written %d | samples %d | truncated %d | rejected %d (see rejects.jsonl) "
+        "| tokens %d | loss tokens %d",
         shard,
         num_rows,
+        num_rows_written,
         num_samples,
+        num_truncated,
         len(rejects),
         num_tokens,
         num_loss_tokens,

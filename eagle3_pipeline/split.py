@@ -2,7 +2,8 @@
 
 A conversation's side is decided by a hash of (seed, conversation id), not by its position, so the split
 does not change when shards are added, reordered or re-extracted, and one conversation never lands on
-both sides. Each row of the input is one conversation; its sample id is the row's `id` (or row-<n>).
+both sides. Each row of the input is one conversation; its first sample's id is the row's `id` (or
+row-<n>), later samples of the same row `<id>#2`, `<id>#3`, ... (samples.conversation_id maps them back).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from eagle3_pipeline import storage
 from eagle3_pipeline.config import SplitConfig, config_to_dict
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.samples import conversation_id
 from eagle3_pipeline.shards import SampleRef, open_shards
 
 log = logging.getLogger("eagle3.split")
@@ -31,10 +33,13 @@ def split_samples(
 ) -> tuple[list[SampleRef], list[SampleRef]]:
     if not 0.0 <= val_ratio < 1.0:
         raise UserError(f"val_ratio {val_ratio} must lie in [0, 1)")
-    train = [s for s in samples if not is_val(s.sample_id, seed, val_ratio)]
-    val = [s for s in samples if is_val(s.sample_id, seed, val_ratio)]
-    if val_ratio > 0 and not val and len(samples) > 1:
-        val, train = train[-1:], train[:-1]  # tiny data: hold out at least one conversation
+    train = [s for s in samples if not is_val(conversation_id(s.sample_id), seed, val_ratio)]
+    val = [s for s in samples if is_val(conversation_id(s.sample_id), seed, val_ratio)]
+    if val_ratio > 0 and not val and len({conversation_id(s.sample_id) for s in samples}) > 1:
+        # tiny data: hold out at least one conversation, all of its samples
+        last = conversation_id(train[-1].sample_id)
+        val = [s for s in train if conversation_id(s.sample_id) == last]
+        train = [s for s in train if conversation_id(s.sample_id) != last]
     if not train:
         raise UserError(f"val_ratio {val_ratio} leaves no training samples out of {len(samples)}")
     return train, val

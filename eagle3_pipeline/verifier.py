@@ -169,10 +169,11 @@ def _index(path: Path) -> dict[str, str]:
     raise UserError(f"{path}: no model.safetensors(.index.json); the verifier must be in safetensors")
 
 
-# The final norm and heads, whatever the prefix (`language_model.` for Kimi-K2.5).
+# The final norm and heads, whatever the prefix: `language_model.model.norm.weight` in Kimi-K2.5's
+# checkpoint, `language_model.norm.weight` in some repacks of it (issue 8).
 _WANTED = {
     "embed_tokens": re.compile(r"(^|\.)embed_tokens\.weight$"),
-    "norm": re.compile(r"(^|\.)model\.norm\.weight$|^norm\.weight$"),
+    "norm": re.compile(r"(^|\.)model\.norm\.weight$|^norm\.weight$|^language_model\.norm\.weight$"),
     "lm_head": re.compile(r"(^|\.)lm_head\.weight$"),
 }
 

@@ -85,10 +85,13 @@ def test_bad_input_corpus_every_row_written_or_rejected_with_reason(tiny_verifie
         str(expected["max_seq_len"]),
         "--samples-per-file",
         "4",
+        "--chat-template-kwargs",
+        '{"thinking": false}',
     )
     assert "Traceback" not in proc.stderr
     shard = shard_of(tmp_path / "hs")
     meta = json.loads((shard / "meta.json").read_text())
+    assert meta["chat_template_kwargs"] == {"thinking": False}  # what 06_evaluate.py will read back
     rejects = {str(r["row"]): r["reason"] for r in read_jsonl(shard / "rejects.jsonl")}
     manifest = json.loads((shard / "manifest.json").read_text())
     written = {str(s["row"]): s["id"] for f in manifest["files"] for s in f["samples"]}
@@ -184,3 +187,69 @@ def test_shard_from_other_layer_ids_or_verifier_is_refused(tiny_run, tiny_llama_
         check=False,
     )
     assert proc.returncode == 2 and "another verifier" in proc.stderr
+
+
+def test_truncate_keeps_a_long_row_and_token_rows_give_several_samples(tiny_verifier, tmp_path):
+    from eagle3_pipeline.shards import load_sample, open_shards
+
+    long_answer = {"role": "assistant", "content": "A long answer. " * 60}  # 900 bytes: 900 tokens
+    long_row = json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "Talk."}, long_answer]})
+    token_row = {
+        "id": "t",
+        "token_samples": [
+            {"prompt_ids": [72, 105], "completion_ids": [33, 257]},
+            {"prompt_ids": [66, 121, 101], "completion_ids": [46, 257]},  # not an extension: a second sample
+        ],
+    }
+    data = tmp_path / "rows.jsonl"
+    data.write_text(long_row + "\n" + json.dumps(token_row) + "\n")
+    run_script(
+        *extract_args(str(tiny_verifier), str(data), str(tmp_path / "hs")),
+        "--max-seq-len",
+        "512",
+        "--truncate",
+        "--samples-per-file",
+        "2",
+    )
+    shard = shard_of(tmp_path / "hs")
+    meta = json.loads((shard / "meta.json").read_text())
+    assert (meta["num_rows"], meta["num_rows_written"], meta["num_samples"]) == (2, 2, 3)
+    assert (meta["num_truncated"], meta["num_rejected"], meta["truncate"]) == (1, 0, True)
+    (part,) = json.loads((shard / "manifest.json").read_text())["files"]  # a row's samples share a part
+    by_id = {s["id"]: s for s in part["samples"]}
+    assert by_id["too-long"]["num_tokens"] == 512 and by_id["too-long"]["truncated_from"] > 512
+    assert [by_id["t"]["row"], by_id["t#2"]["row"]] == [1, 1]
+    refs = {r.sample_id: r for r in open_shards([str(shard)]).samples}
+    second = load_sample(refs["t#2"], ("input_ids", "loss_mask"))
+    assert second["input_ids"].tolist() == [66, 121, 101, 46, 257]  # verbatim, never re-rendered
+    assert second["loss_mask"].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_unexpected_error_in_one_row_is_a_reject_and_the_block_goes_on(monkeypatch, tokenizer, caplog):
+    from eagle3_pipeline import extract
+    from eagle3_pipeline.conversations import RawRow
+    from eagle3_pipeline.samples import SampleOptions
+
+    real = extract.row_samples
+
+    def flaky(value, index, tok, opts):
+        if index == 1:
+            raise ZeroDivisionError("boom")
+        return real(value, index, tok, opts)
+
+    monkeypatch.setattr(extract, "row_samples", flaky)
+    ok = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    raws = [
+        RawRow(0, {"id": "x", **ok}),
+        RawRow(1, ok),
+        RawRow(2, {"id": "x", **ok}),
+        RawRow(3, error="empty line"),
+    ]
+    accepted, rejects = extract.block_samples(raws, tokenizer, SampleOptions(100), {}, "d.jsonl")
+    assert [(row, s.sample_id) for row, s in accepted] == [(0, "x")]
+    assert rejects == [
+        {"row": 1, "reason": "unexpected ZeroDivisionError: boom"},
+        {"row": 2, "reason": "duplicate id 'x' (first at row 0)"},
+        {"row": 3, "reason": "empty line"},
+    ]
+    assert "Traceback" in caplog.text  # a bug in this code is visible, not hidden among bad rows

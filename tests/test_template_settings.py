@@ -1,0 +1,157 @@
+"""chat_template_kwargs (issue 8): a dict setting on the command line and in TOML, recorded by stage 01,
+and 06_evaluate.py's prompts built with the same settings as training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kimi_fixture import IDS, build_kimi_tokenizer
+
+from eagle3_pipeline import evaluate
+from eagle3_pipeline.cli import build_parser
+from eagle3_pipeline.config import EvaluateConfig, ExtractConfig, resolve_config
+from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.samples import SampleOptions, row_samples
+
+ROWS = [
+    {
+        "id": "a",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+        ],
+    },
+    {
+        "id": "b",
+        "messages": [
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2", "reasoning_content": "R2"},
+        ],
+    },
+]
+INSTANT = {"thinking": False}
+
+
+def resolve(section, cls, argv, tmp_path=None, toml=None):
+    if toml is not None:
+        (tmp_path / "c.toml").write_text(toml)
+        argv = ["--config", str(tmp_path / "c.toml"), *argv]
+    return resolve_config(cls, build_parser(None, section).parse_args(argv), section)
+
+
+def test_dict_setting_from_command_line_and_toml_table(tmp_path):
+    base = ["--verifier-path", "v", "--data-path", "d", "--out-dir", "o"]
+    assert resolve("extract", ExtractConfig, base).chat_template_kwargs == {}
+    cfg = resolve("extract", ExtractConfig, [*base, "--chat-template-kwargs", '{"thinking": false}'])
+    assert cfg.chat_template_kwargs == INSTANT
+    toml = (
+        '[extract]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n'
+        "[extract.chat_template_kwargs]\nthinking = false\n"
+    )
+    assert resolve("extract", ExtractConfig, [], tmp_path, toml).chat_template_kwargs == INSTANT
+    # the command line wins over the file
+    cfg = resolve("extract", ExtractConfig, ["--chat-template-kwargs", '{"thinking": true}'], tmp_path, toml)
+    assert cfg.chat_template_kwargs == {"thinking": True}
+    with pytest.raises(UserError, match="chat_template_kwargs = 'yes': expected dict"):
+        resolve(
+            "extract",
+            ExtractConfig,
+            [],
+            tmp_path,
+            toml.split("[extract.chat")[0] + 'chat_template_kwargs = "yes"\n',
+        )
+    ev = ["--draft-dir", "x", "--data-path", "d"]
+    assert resolve("evaluate", EvaluateConfig, ev).chat_template_kwargs is None  # None: read from the shards
+
+
+@pytest.mark.parametrize("bad", ["{thinking: false}", "[1, 2]", '"thinking"'])
+def test_dict_flag_that_is_not_a_json_object_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser(None, "extract").parse_args(["--chat-template-kwargs", bad])
+    assert e.value.code == 2 and "--chat-template-kwargs" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kimi_tokenizer")
+    build_kimi_tokenizer(d)
+    return d
+
+
+def fake_export(root, kwargs_per_shard):
+    """The files 06_evaluate.py follows: export_meta.json -> training meta.json -> shard meta.json."""
+    shards = []
+    for n, kw in enumerate(kwargs_per_shard):
+        shard = root / "hs" / f"rows_{n}"
+        shard.mkdir(parents=True)
+        meta = {"stage": "01_extract_hidden_states"}
+        if kw is not None:
+            meta["chat_template_kwargs"] = kw
+        (shard / "meta.json").write_text(json.dumps(meta))
+        shards.append(str(shard))
+    (root / "train").mkdir()
+    (root / "train" / "meta.json").write_text(json.dumps({"shards": shards}))
+    (root / "draft").mkdir()
+    (root / "draft" / "config.json").write_text("{}")
+    return root / "draft"
+
+
+def run_evaluate(monkeypatch, kimi_dir, draft, data, kwargs=None):
+    (draft / "export_meta.json").write_text(
+        json.dumps({"verifier_path": str(kimi_dir), "train_dir": str(draft.parent / "train")})
+    )
+    seen = {}
+
+    def fake_simulate(verifier_path, draft_dir, prompts, max_new_tokens, k, trust_remote_code=False):
+        seen["prompts"] = prompts
+        return {"mean_acceptance_length": 1.0, "acceptance_rate_per_pos": [0.0] * k, "num_drafts": 0}, []
+
+    monkeypatch.setattr(evaluate, "simulate", fake_simulate)
+    cfg = EvaluateConfig(
+        draft_dir=str(draft), data_path=str(data), num_prompts=2, chat_template_kwargs=kwargs
+    )
+    assert evaluate.run(cfg) == 0
+    result = json.loads((draft / "acceptance_sim.json").read_text())
+    return seen["prompts"], result
+
+
+def training_contexts(kimi, kwargs):
+    """Stage 01's context for each row's first sample: what the draft was trained to continue."""
+    out = []
+    for i, row in enumerate(ROWS):
+        s = row_samples(row, i, kimi, SampleOptions(4096, chat_template_kwargs=kwargs))[0]
+        out.append(s.input_ids[: s.loss_mask.index(1)])
+    return out
+
+
+def test_evaluate_prompts_use_the_template_settings_the_shards_were_extracted_with(
+    monkeypatch, kimi_dir, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    kimi = AutoTokenizer.from_pretrained(str(kimi_dir))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    draft = fake_export(tmp_path / "instant", [INSTANT, INSTANT])
+    prompts, result = run_evaluate(monkeypatch, kimi_dir, draft, data)
+    assert prompts == training_contexts(kimi, INSTANT) != training_contexts(kimi, {})
+    assert all(p[-2:] == [IDS["<think>"], IDS["</think>"]] for p in prompts)  # instant generation prompt
+    assert result["chat_template_kwargs"] == INSTANT
+    # shards from thinking mode (or from before the setting existed): the thinking prompt
+    draft = fake_export(tmp_path / "thinking", [None])
+    prompts, result = run_evaluate(monkeypatch, kimi_dir, draft, data)
+    assert prompts == training_contexts(kimi, {}) and all(p[-1] == IDS["<think>"] for p in prompts)
+    # given on the command line, it wins
+    prompts, _ = run_evaluate(monkeypatch, kimi_dir, draft, data, kwargs=INSTANT)
+    assert prompts == training_contexts(kimi, INSTANT)
+
+
+def test_evaluate_refuses_shards_with_mixed_template_settings(monkeypatch, kimi_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    draft = fake_export(tmp_path / "mixed", [INSTANT, {}])
+    with pytest.raises(UserError, match="different chat_template_kwargs"):
+        run_evaluate(monkeypatch, kimi_dir, draft, data)
