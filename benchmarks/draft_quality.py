@@ -114,7 +114,9 @@ def planned_steps(root: Path, epochs: int, batch_tokens: int) -> int:
     return epochs * len(micro_batches(train_refs, batch_tokens, 1024, 0, 0))
 
 
-def project_train(root: Path, run: str, steps: int, extra: list[str], log: Path, threads: int, hidden: dict) -> Path:
+def project_train(
+    root: Path, run: str, steps: int, extra: list[str], log: Path, threads: int, hidden: dict
+) -> Path:
     out = root / "runs" / run
     sh(["04_train.py", "--data-dir", str(root / "hidden_states"), "--split-dir", str(root / "split"),
         "--vocab-mapping-dir", str(root / "vocab"), "--out-dir", str(out), "--max-steps", str(steps),
@@ -140,10 +142,33 @@ def heldout_prompts(work: Path) -> list[list[int]]:
     return build_prompts(tok, work / "data" / "heldout.jsonl", 0, 10**6)
 
 
-def simulate(work: Path, draft: Path, prompts: list[list[int]], max_new: int) -> tuple[dict, list]:
-    from eagle3_pipeline.evaluate import simulate as sim
+def verifier_traces(work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int]) -> list[tuple]:
+    """The verifier's greedy continuation and aux states per prompt, computed once for every draft."""
+    import torch
 
-    return sim(work / "verifier", draft, prompts, max_new, K)
+    from eagle3_pipeline.acceptance import verifier_greedy_with_aux
+    from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model, verifier_facts
+
+    facts = verifier_facts(work / "verifier")
+    model = load_verifier_model(work / "verifier", torch.float32, trust_remote_code=False)
+    capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), aux_ids)
+    try:
+        return [verifier_greedy_with_aux(model, capture, p, max_new) for p in prompts]
+    finally:
+        capture.remove()
+
+
+def simulate(work: Path, draft_dir: Path, prompts: list[list[int]], traces: list[tuple]) -> tuple[dict, list]:
+    """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
+    from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence
+    from eagle3_pipeline.reference_draft import ReferenceDraft
+    from eagle3_pipeline.verifier import load_verifier_tensors
+
+    draft = ReferenceDraft(draft_dir, load_verifier_tensors(work / "verifier", False)["embed_tokens"])
+    counts = AcceptanceCounts(K)
+    for p, (seq, aux) in zip(prompts, traces):
+        simulate_sequence(draft, aux, seq, len(p), K, counts)
+    return counts.summary(), [seq[len(p) :].tolist() for p, (seq, _) in zip(prompts, traces)]
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
@@ -202,9 +227,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             drafts[f"{name}/regenerated"] = export(project_train(root, run, steps, extra, log, a.threads, hidden),
                                                    log, a.threads)  # fmt: skip
             rows.append({"recipe": name, "data": "regenerated", "steps": steps, "ablation": True})
+    aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"
+    ]
+    traces = verifier_traces(work, prompts, a.max_new_tokens, aux_ids)
     for row in rows:
         key = f"{row['recipe']}/{row['data']}"
-        row["sim"], greedy = simulate(work, drafts[key], prompts, a.max_new_tokens)
+        row["sim"], greedy = simulate(work, drafts[key], prompts, traces)
         row["greedy"] = greedy
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
     if not a.no_vllm:
@@ -243,8 +272,12 @@ def _al(row: dict, engine: str) -> float | None:
 
 
 def _print_table(report: dict) -> None:
-    print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens, k={K}")
-    print("| recipe | data | steps | vLLM AL | per position (vLLM) | sim AL | rejected/step (k+1-AL) | lossless |")
+    print(
+        f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens, k={K}"
+    )
+    print(
+        "| recipe | data | steps | vLLM AL | per position (vLLM) | sim AL | rejected/step (k+1-AL) | lossless |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in report["rows"]:
         v, s = _al(row, "vllm"), _al(row, "sim")
@@ -262,7 +295,9 @@ def _print_table(report: dict) -> None:
     if ("project", "regenerated") in by and ("speculators", "given") in by:
         eng = "vllm" if "vllm" in by[("project", "regenerated")] else "sim"
         p, b = _al(by[("project", "regenerated")], eng), _al(by[("speculators", "given")], eng)
-        print(f"full recipe (regenerated) vs speculators on the given conversations: AL ratio {p / b:.3f} ({eng})")
+        print(
+            f"full recipe (regenerated) vs speculators on the given conversations: AL ratio {p / b:.3f} ({eng})"
+        )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,10 @@ def conversations(seed: int = 0, max_chars: int = 900) -> list[dict]:
                 {"role": "assistant", "content": pieces[i]},
             ]
             if i + 1 < len(pieces):
-                messages += [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": pieces[i + 1]}]
+                messages += [
+                    {"role": "user", "content": "Go on."},
+                    {"role": "assistant", "content": pieces[i + 1]},
+                ]
             rows.append({"id": f"doc{n:05d}-{i:03d}", "messages": messages})
     rng.shuffle(rows)
     return rows
@@ -194,7 +197,9 @@ def bigram_accuracy(train_ids: list[int], test_ids: list[int]) -> float:
     return hits / max(1, len(test_ids) - 1)
 
 
-def train(out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, threads: int, seed: int = 0) -> dict:
+def train(
+    out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, threads: int, seed: int = 0
+) -> dict:
     """Train the verifier on `rows` (time- and step-bounded) and save it; returns its statistics."""
     import torch
     from safetensors.torch import save_file
@@ -213,14 +218,19 @@ def train(out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, thr
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     train_ids = torch.tensor(_token_stream(tok, rows))
     test_ids = _token_stream(tok, heldout)
-    seq_len, batch, peak_lr = 256, 8, 2e-3
-    max_steps, budget_s = (600, 300) if quick else (1500, 1200)  # bounded CPU budget (2 cores)
+    seq_len, batch, peak_lr = 256, 8, 3e-3
+    # A fixed number of steps (the same verifier on every machine); ~1.5-3 s each on 2 cores here.
+    max_steps = 150 if quick else 500
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.1, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(seed)
     t0, step, losses = time.time(), 0, []
     model.train()
-    while step < max_steps and time.time() - t0 < budget_s:
-        lr = peak_lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max_steps)))
+    while step < max_steps:
+        lr = (
+            peak_lr
+            * min(1.0, (step + 1) / 50)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max_steps)))
+        )
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=g)
@@ -233,7 +243,10 @@ def train(out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, thr
         losses.append(float(loss.detach()))
         step += 1
         if step % 50 == 0:
-            print(f"verifier step {step} | loss {sum(losses[-50:]) / 50:.3f} | {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"verifier step {step} | loss {sum(losses[-50:]) / 50:.3f} | {time.time() - t0:.0f}s",
+                flush=True,
+            )
     model.eval()
     acc = _heldout_accuracy(model, test_ids, seq_len)
     stats = {
@@ -246,11 +259,29 @@ def train(out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, thr
         "parameters": sum(p.numel() for p in model.parameters()),
         "config": cfg_dict,
     }
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_layout(model.state_dict()), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out_dir))
     (out_dir / "verifier_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
+
+
+def checkpoint_layout(state: dict) -> dict:
+    """transformers 5 keeps routed experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+    [E, H, I]); DeepSeek-V3 checkpoints (and vLLM's loader) name them per expert
+    (`experts.<e>.gate_proj.weight` ...). Written per expert: both load it."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :inter].contiguous()
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, inter:].contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e].contiguous()
+        else:
+            out[k] = v.contiguous()
+    return out
 
 
 def _heldout_accuracy(model: object, ids: list[int], seq_len: int) -> float:

@@ -85,18 +85,24 @@ def simulate_sequence(
 def verifier_greedy_with_aux(
     model: Any, capture: Any, prompt: list[int], max_new_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt + greedy continuation, aux states of every position of it) from the Hugging Face verifier."""
-    from transformers import GenerationConfig
+    """(prompt + greedy continuation, aux states of every position of it) from the Hugging Face verifier.
 
+    Exactly `max_new_tokens` tokens, an end token included where the verifier emits one, like vLLM's
+    `ignore_eos=True` in the worker (an end token is emitted and decoding goes on). transformers'
+    generate() cannot do that: it stops at the checkpoint's generation_config eos even when given
+    eos_token_id=None (transformers 5.19), so the loop is written out with the KV cache.
+    """
     device = next(model.parameters()).device
-    # no eos: like vLLM's ignore_eos, an end token is emitted and generation goes on
-    gen = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True
-    )
+    ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=device), generation_config=gen)
+        out = model(input_ids=ids, use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(max_new_tokens - 1):
+            step = torch.tensor([[tokens[-1]]], device=device)
+            out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
         capture.states.clear()
-        seq = out[0]
+        seq = torch.cat([ids[0], torch.tensor(tokens, device=device)])
         model(input_ids=seq[None], use_cache=False)
     aux, _ = capture.pop()
     return seq.cpu(), aux.flatten(1).float().cpu()

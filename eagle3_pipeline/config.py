@@ -52,6 +52,11 @@ class RegenerateConfig:
     top_p: float = _f(1.0, "Nucleus sampling mass when --temperature > 0.")
     seed: int = _f(0, "Sampling seed.")
     rows_per_part: int = _f(256, "Input rows per part file (the unit of resume).")
+    chat_template_kwargs: dict[str, Any] = _f(
+        {},
+        "Chat-template variables for the prompts (TOML table or JSON object), as stage 01 will use: e.g. "
+        "'{\"thinking\": false}' for Kimi-K2.5's instant mode.",
+    )
     vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
     trust_remote_code: bool = _f(False, "Allow the verifier's own code (Kimi-K2.5's tokenizer needs it).")
     overwrite: bool = _f(False, "Redo an output that is already complete.")

@@ -28,7 +28,7 @@ from typing import Any
 from eagle3_pipeline import storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import RegenerateConfig, config_to_dict
-from eagle3_pipeline.conversations import RowRejected, count_rows, normalize_messages, read_rows
+from eagle3_pipeline.conversations import Conversation, RowRejected, count_rows, normalize_row, read_rows, render_ids
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.verifier import read_text_config
 
@@ -144,18 +144,27 @@ class VLLMGenerator:
         return out
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def render_prompt(tokenizer: Any, conv: Conversation, turn: int, kwargs: dict[str, Any]) -> list[int]:
+    """The serving prompt of assistant turn `turn`: what vLLM renders for the turns before it."""
+    return render_ids(tokenizer, conv.messages[:turn], True, conv.tools, kwargs)
+
+
+def assistant_message(text: str) -> dict[str, Any]:
+    """A regenerated turn as a message: reasoning before `</think>` split out (the generation prompt of a
+    thinking template ends with `<think>`), so that later prompts render it as the template does history."""
+    reasoning, sep, answer = text.partition("</think>")
+    if sep:
+        return {"role": "assistant", "content": answer, "reasoning_content": reasoning.removeprefix("<think>")}
+    return {"role": "assistant", "content": text}
 
 
 def regenerate_rows(
-    rows: list[tuple[int, str, list[dict[str, str]]]], tokenizer: Any, generator: Any, cfg: RegenerateConfig
+    rows: list[tuple[int, Conversation]], tokenizer: Any, generator: Any, cfg: RegenerateConfig
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(regenerated rows, rejects): all rows of a block advance one assistant turn per generate call."""
+    kwargs = cfg.chat_template_kwargs or {}
     state = [
-        {"row": r, "id": rid, "messages": [dict(m) for m in msgs], "samples": [], "turn": _next(msgs, 0)}
-        for r, rid, msgs in rows
+        {"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows
     ]
     rejects: list[dict[str, Any]] = []
     while True:
@@ -163,10 +172,10 @@ def regenerate_rows(
         for s in state:
             if s["turn"] is None:
                 continue
-            prompt = render_prompt(tokenizer, s["messages"][: s["turn"]])
+            prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs)
             room = cfg.max_seq_len - len(prompt)
             if room < 2:  # no room for a reply: the row ends before this turn
-                s["messages"] = s["messages"][: s["turn"]]
+                s["conv"].messages = s["conv"].messages[: s["turn"]]
                 s["turn"] = None
                 continue
             pending.append(s)
@@ -175,20 +184,24 @@ def regenerate_rows(
         if not pending:
             break
         for s, prompt, (completion, finish) in zip(pending, prompts, generator.generate(prompts, budgets)):
-            i = s["turn"]
-            s["messages"][i]["content"] = tokenizer.decode(completion, skip_special_tokens=True)
+            i, msgs = s["turn"], s["conv"].messages
+            msgs[i] = assistant_message(tokenizer.decode(completion, skip_special_tokens=True))
             s["samples"].append(
                 {"turn": i, "prompt_ids": prompt, "completion_ids": completion, "finish_reason": finish}
             )
-            s["turn"] = _next(s["messages"], i + 1)
+            s["turn"] = _next(msgs, i + 1)
     out = []
     for s in state:
+        conv = s["conv"]
         if not s["samples"]:
-            rejects.append({"row": s["row"], "reason": "the first assistant turn's prompt exceeds max_seq_len"})
+            rejects.append({"row": s["row"], "reason": "no assistant turn whose prompt fits max_seq_len"})
             continue
-        while s["messages"] and s["messages"][-1]["role"] != "assistant":
-            s["messages"].pop()  # trailing user turns have no regenerated answer
-        out.append({"id": s["id"], "messages": s["messages"], "token_samples": s["samples"]})
+        while conv.messages and conv.messages[-1]["role"] != "assistant":
+            conv.messages.pop()  # trailing user turns have no regenerated answer
+        row: dict[str, Any] = {"id": conv.row_id, "messages": conv.messages}
+        if conv.tools:
+            row["tools"] = conv.tools
+        out.append({**row, "token_samples": s["samples"]})
     return out, rejects
 
 
@@ -219,7 +232,11 @@ def run(cfg: RegenerateConfig) -> int:
     total = count_rows(data_path, cfg.data_split)
     max_positions = read_text_config(verifier_path).get("max_position_embeddings") or cfg.max_seq_len
     if cfg.max_seq_len > max_positions:
-        log.info("max_seq_len %d capped at the verifier's max_position_embeddings %d", cfg.max_seq_len, max_positions)
+        log.info(
+            "max_seq_len %d capped at the verifier's max_position_embeddings %d",
+            cfg.max_seq_len,
+            max_positions,
+        )
         cfg = dataclasses.replace(cfg, max_seq_len=int(max_positions))
     settings = {
         "data_path": str(data_path.resolve()),
@@ -227,7 +244,7 @@ def run(cfg: RegenerateConfig) -> int:
         "engine": engine,
         "stop_token_ids": stop_ids,
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
-                                         "rows_per_part", "data_split")},
+                                         "rows_per_part", "data_split", "chat_template_kwargs")},
     }  # fmt: skip
     run_file = out_dir / RUN_FILE
     if run_file.exists() and storage.read_json(run_file) != settings:
@@ -240,7 +257,14 @@ def run(cfg: RegenerateConfig) -> int:
     storage.write_json_atomic(run_file, settings)
     blocks = [(b, min(b + cfg.rows_per_part, total)) for b in range(0, total, cfg.rows_per_part)]
     todo = [(n, b) for n, b in enumerate(blocks) if not (out_dir / _part(n)).exists()]
-    log.info("regenerate %s: %d rows, %d parts, %d to do, engine %s", data_path, total, len(blocks), len(todo), engine)
+    log.info(
+        "regenerate %s: %d rows, %d parts, %d to do, engine %s",
+        data_path,
+        total,
+        len(blocks),
+        len(todo),
+        engine,
+    )
     if todo:
         gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
         with gen_cls(verifier_path, cfg, stop_ids) as generator:
@@ -263,11 +287,15 @@ def _run_parts(cfg: RegenerateConfig, out_dir: Path, todo: list, tokenizer: Any,
                 try:
                     if raw.error:
                         raise RowRejected(raw.error)
-                    row_id, messages = normalize_messages(raw.value)
+                    conv = normalize_row(raw.value)
                 except RowRejected as e:
                     rejects.append({"row": raw.index, "reason": str(e)})
                     continue
-                rows.append((raw.index, row_id if row_id is not None else f"row-{raw.index}", messages))
+                except Exception as e:  # noqa: BLE001 - no row stops the stage
+                    rejects.append({"row": raw.index, "reason": f"unexpected {type(e).__name__}: {e}"})
+                    continue
+                conv.row_id = conv.row_id if conv.row_id is not None else f"row-{raw.index}"
+                rows.append((raw.index, conv))
             out, more = regenerate_rows(rows, tokenizer, generator, cfg)
             rejects += more
             lines = [json.dumps({"rejected": r}) for r in sorted(rejects, key=lambda r: r["row"])]
@@ -294,7 +322,9 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
     if len(rows) + len(rejects) != total:
         raise RuntimeError(f"{out_dir}: {len(rows)} regenerated + {len(rejects)} rejected != {total} rows")
     storage.write_bytes_atomic(out_dir / OUTPUT_NAME, ("\n".join(rows) + "\n").encode() if rows else b"")
-    storage.write_bytes_atomic(out_dir / "rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects).encode())
+    storage.write_bytes_atomic(
+        out_dir / "rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects).encode()
+    )
     finishes: dict[str, int] = {}
     tokens = 0
     for line in rows:

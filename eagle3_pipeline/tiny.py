@@ -178,44 +178,8 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
     return out_dir
 
 
-def regenerate(verifier_dir: Path, data_path: Path, out_path: Path, max_new_tokens: int) -> None:
-    """Rewrite every assistant turn as the verifier's own greedy reply (in order, turn by turn).
-
-    Drafts are trained on what the verifier itself says (public EAGLE-3 drafts regenerate their data
-    with the verifier); on human text, a tiny verifier's predictions never visit the states its own
-    greedy output goes through, and a draft trained there predicts little of it.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    from eagle3_pipeline.conversations import normalize_messages, read_rows
-
-    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(verifier_dir), dtype=torch.float32).eval()
-    gen = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    lines = []
-    for raw in read_rows(data_path, 0, 10**12):
-        row_id, messages = normalize_messages(raw.value)
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            text = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                out = model.generate(ids, generation_config=gen)
-            m["content"] = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        lines.append(json.dumps({"id": row_id or f"row-{raw.index}", "messages": messages}))
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("\n".join(lines) + "\n")
-
-
 def from_config(config_path: Path) -> None:
-    """What scripts/run_tiny.sh needs before stage 01: the [run] section's verifier (and data)."""
+    """What scripts/run_tiny.sh needs before stage 00/01: the [run] section's verifier."""
     import tomllib
 
     cfg = tomllib.loads(config_path.read_text())
@@ -230,14 +194,6 @@ def from_config(config_path: Path) -> None:
         build_verifier(run["tiny_arch"], tmp)
         tmp.rename(verifier)
         print(f"tiny {run['tiny_arch']} verifier written to {verifier}")
-    data = Path(extract["data_path"])
-    if run.get("regenerate_from") and not data.exists():
-        tmp_data = data.with_name(data.name + ".tmp")
-        regenerate(
-            verifier, Path(run["regenerate_from"]), tmp_data, run.get("regenerate_max_new_tokens", 160)
-        )
-        tmp_data.rename(data)
-        print(f"regenerated conversations written to {data}")
 
 
 def main(argv: list[str] | None = None) -> int:

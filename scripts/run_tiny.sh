@@ -10,6 +10,9 @@ PY=${PYTHON:-.venv/bin/python}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 "$PY" -m eagle3_pipeline.tiny --from-config "$CONFIG"
+if grep -q '^\[regenerate\]' "$CONFIG"; then   # the verifier rewrites the assistant turns first
+  "$PY" 00_regenerate.py --config "$CONFIG"
+fi
 "$PY" 01_extract_hidden_states.py --config "$CONFIG"
 "$PY" 02_build_vocab_mapping.py --config "$CONFIG"
 "$PY" 03_split_data.py --config "$CONFIG"

@@ -50,4 +50,23 @@ def aux_ids_shifted(src: Path, dst: Path, by: int = 1) -> Path:
     return dst
 
 
-SABOTAGES = {"no_head_dim": without_head_dim, "no_d2t": without_d2t, "aux_ids_shifted": aux_ids_shifted}
+def norm_flag_dropped(src: Path, dst: Path) -> Path:
+    """A norm flag the draft was trained with, removed, as a vLLM build older than the flag would read
+    the config: it silently defaults to false. Drops the first flag that is true in the export."""
+
+    def edit(c: dict) -> None:
+        flag = next(f for f in ("norm_output", "norm_before_fc", "fc_norm", "norm_before_residual") if c.get(f))
+        c.pop(flag)
+        (c.get("eagle_config") or {}).pop(flag, None)
+
+    _copy(src, dst)
+    _edit_config(dst, edit)
+    return dst
+
+
+SABOTAGES = {
+    "no_head_dim": without_head_dim,
+    "no_d2t": without_d2t,
+    "aux_ids_shifted": aux_ids_shifted,
+    "norm_flag_dropped": norm_flag_dropped,
+}

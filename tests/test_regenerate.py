@@ -55,10 +55,14 @@ def test_regenerated_completions_equal_the_verifiers_own_greedy_output(tiny_llam
         assert [s["turn"] for s in row["token_samples"]] == assistant_turns
         for s in row["token_samples"]:
             # the prompt is the template over the row so far, earlier turns already regenerated
-            text = tok.apply_chat_template(row["messages"][: s["turn"]], tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                row["messages"][: s["turn"]], tokenize=False, add_generation_prompt=True
+            )
             assert s["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
             assert s["completion_ids"] == _greedy(model, s["prompt_ids"], MAX_NEW, {tok.eos_token_id})
-            assert row["messages"][s["turn"]]["content"] == tok.decode(s["completion_ids"], skip_special_tokens=True)
+            assert row["messages"][s["turn"]]["content"] == tok.decode(
+                s["completion_ids"], skip_special_tokens=True
+            )
             checked += 1
         # user and system turns are kept as they were
         assert [m for m in row["messages"] if m["role"] != "assistant"] == [

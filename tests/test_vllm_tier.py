@@ -114,3 +114,18 @@ def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(llama_run, prompts
     )
     assert served["outputs"] == trained["vllm"]["outputs"]
     assert served["mean_acceptance_length"] < trained["vllm"]["mean_acceptance_length"] - 0.2
+
+
+def test_vllm_regeneration_equals_the_hf_engines_greedy_output(llama_run, tmp_path):
+    """Stage 00 through vLLM (one worker session) stores the same token ids as through transformers."""
+    outs = {}
+    for engine in ("vllm", "hf"):
+        run_script(
+            script("00_regenerate.py"), "--verifier-path", str(llama_run / "verifier"),
+            "--data-path", str(CONVERSATIONS), "--out-dir", str(tmp_path / engine), "--engine", engine,
+            "--max-new-tokens", "32", "--rows-per-part", "5", timeout=1800,
+        )  # fmt: skip
+        outs[engine] = [json.loads(x) for x in (tmp_path / engine / "conversations.jsonl").read_text().splitlines()]
+        assert json.loads((tmp_path / engine / "meta.json").read_text())["engine"] == engine
+    assert [r["token_samples"] for r in outs["vllm"]] == [r["token_samples"] for r in outs["hf"]]
+    assert sum(len(r["token_samples"]) for r in outs["vllm"]) >= 10
