@@ -26,7 +26,7 @@ from eagle3_pipeline.config import TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft, trainable_names
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.packing import BatchDataset, micro_batches
+from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
 from eagle3_pipeline.split import load_split, split_samples
 from eagle3_pipeline.train_metrics import accumulate, forward, log_validation, summarize, validate
@@ -221,6 +221,8 @@ def run(cfg: TrainConfig) -> int:
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
     params = [p for n, p in model.named_parameters() if n in names]
+    if dist.rank == 0:
+        _check_checkpoint_space(cfg, sum(p.numel() for p in params))
     optimizer, scheduler = build_optimizer(cfg, params, plan)
     prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
     if prog.step >= plan.total_steps:
@@ -286,12 +288,14 @@ class TrainLoop:
         )  # fmt: skip
 
     def _loader(self, batches: list[list[SampleRef]]) -> Any:
-        return torch.utils.data.DataLoader(
-            BatchDataset(batches, self.cfg.max_seq_len, self.cfg.loss_on_all_tokens),
-            batch_size=None,
-            shuffle=False,
-            num_workers=self.cfg.num_workers,
-            persistent_workers=False,
+        return _Checked(
+            torch.utils.data.DataLoader(
+                BatchDataset(batches, self.cfg.max_seq_len, self.cfg.loss_on_all_tokens),
+                batch_size=None,
+                shuffle=False,
+                num_workers=self.cfg.num_workers,
+                persistent_workers=False,
+            )
         )
 
     def validate(self) -> dict[str, float]:
@@ -439,11 +443,38 @@ class TrainLoop:
 
 
 @dataclass
+class _Checked:
+    """A DataLoader whose iteration raises the UserError of a batch that failed to load (packing.py)."""
+
+    loader: Any
+
+    def __iter__(self) -> Any:
+        return raise_batch_errors(self.loader)
+
+
+@dataclass
 class _Meter:
     start_step: int
     t0: float = field(default_factory=time.time)
     tokens: int = 0
     sums: dict[str, float] = field(default_factory=dict)
+
+
+def _check_checkpoint_space(cfg: TrainConfig, trainable: int) -> None:
+    """Refuse to start when the checkpoints the run keeps would not fit on the run folder's disk."""
+    from eagle3_pipeline.plan import checkpoint_bytes, checkpoints_disk
+
+    ckpt_root = Path(cfg.out_dir) / "checkpoints"
+    have = sum(f.stat().st_size for f in ckpt_root.rglob("*") if f.is_file()) if ckpt_root.is_dir() else 0
+    need = max(0, checkpoints_disk(trainable, cfg.keep_last) - have)  # what is kept already counts
+    free = storage.free_bytes(Path(cfg.out_dir))
+    if need > free:
+        raise UserError(
+            f"{ckpt_root}: {cfg.keep_last} + 2 checkpoints x "
+            f"{storage.format_bytes(checkpoint_bytes(trainable))} (fp32 weights + AdamW states of "
+            f"{trainable:,} parameters) = {storage.format_bytes(need)} needed, "
+            f"{storage.format_bytes(free)} free; free space, lower --keep-last, or use another --out-dir"
+        )
 
 
 def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
