@@ -172,7 +172,8 @@ def _check_free_space(
         raise UserError(
             f"{shard}: {rows_todo} rows x {per_row:.0f} tokens/row (sampled) x "
             f"{state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size)} bytes/token "
-            f"({storage_dtype}) = {storage.format_bytes(need)} needed, {storage.format_bytes(free)} free; "
+            f"({storage_dtype}) = {storage.describe_bytes(need)} needed, {storage.describe_bytes(free)} "
+            "free; "
             "free space, extract a smaller row range, or store as float8_e4m3fn (--storage-dtype)"
         )
 

@@ -54,6 +54,11 @@ def format_bytes(n: float) -> str:
     raise AssertionError
 
 
+def describe_bytes(n: int) -> str:
+    """'8.21 MB (8,212,480 bytes)': readable and exact."""
+    return f"{format_bytes(n)} ({n:,} bytes)"
+
+
 @contextlib.contextmanager
 def disk_full_is_user_error(path: Path, tmp: Path, bytes_needed: int) -> Iterator[None]:
     """A full disk while writing `tmp` (to become `path`): remove `tmp`, raise a UserError saying so."""
@@ -65,8 +70,8 @@ def disk_full_is_user_error(path: Path, tmp: Path, bytes_needed: int) -> Iterato
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         raise DiskFull(
-            f"{path}: disk full ({os.strerror(e.errno)}) writing {format_bytes(bytes_needed)} "
-            f"({bytes_needed} bytes); {format_bytes(free_bytes(path.parent))} free on that filesystem. "
+            f"{path}: disk full ({os.strerror(e.errno)}) writing {describe_bytes(bytes_needed)}; "
+            f"{describe_bytes(free_bytes(path.parent))} free on that filesystem. "
             "Free space and rerun the same command: it resumes, and nothing half-written counts"
         ) from None
 

@@ -472,8 +472,8 @@ def _check_checkpoint_space(cfg: TrainConfig, trainable: int) -> None:
         raise UserError(
             f"{ckpt_root}: {cfg.keep_last} + 2 checkpoints x "
             f"{storage.format_bytes(checkpoint_bytes(trainable))} (fp32 weights + AdamW states of "
-            f"{trainable:,} parameters) = {storage.format_bytes(need)} needed, "
-            f"{storage.format_bytes(free)} free; free space, lower --keep-last, or use another --out-dir"
+            f"{trainable:,} parameters) = {storage.describe_bytes(need)} needed, "
+            f"{storage.describe_bytes(free)} free; free space, lower --keep-last, or use another --out-dir"
         )
 
 
