@@ -1,0 +1,139 @@
+"""A full disk (ENOSPC injected at the one place storage.py writes files) during extraction,
+checkpointing and export: a DiskFull error naming the file and the bytes, nothing half-written counted,
+and the rerun after space is freed finishes byte-identical to a run that never failed."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import CONVERSATIONS, REPO
+
+from eagle3_pipeline import storage
+from eagle3_pipeline.errors import DiskFull
+
+
+def fill_disk_once(monkeypatch, when: Callable[[Path], bool]) -> list[Path]:
+    """The first write whose temp file matches `when` leaves a partial file and fails with ENOSPC."""
+    real, hits = storage._write_tmp, []
+
+    def write(tmp: Path, writer: Callable[[Path], None]) -> None:
+        if not hits and when(tmp):
+            hits.append(tmp)
+            tmp.write_bytes(b"\0" * 4096)  # what a full disk leaves: the start of the file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+        real(tmp, writer)
+
+    monkeypatch.setattr(storage, "_write_tmp", write)
+    return hits
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob(f"*{storage.TMP_SUFFIX}*")]
+
+
+@pytest.mark.parametrize("full_at", ["part-00001.safetensors", "part-00002.json", "COMPLETE"])
+def test_disk_full_during_extraction_then_rerun_is_byte_identical(
+    tiny_verifier, tmp_path, monkeypatch, full_at
+):
+    from eagle3_pipeline import extract
+    from eagle3_pipeline.config import ExtractConfig
+
+    cfg = ExtractConfig(
+        verifier_path=str(tiny_verifier), data_path=str(CONVERSATIONS), out_dir="hs", samples_per_file=4
+    )
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    extract.run(cfg)  # never full
+    monkeypatch.chdir(tmp_path / "b")
+    hits = fill_disk_once(monkeypatch, lambda tmp: tmp.name == full_at + storage.TMP_SUFFIX)
+    with pytest.raises(DiskFull) as e:
+        extract.run(cfg)
+    shard = tmp_path / "b" / "hs" / "rows_00000000-00000010"
+    assert hits and re.search(
+        rf"^hs/rows_00000000-00000010/{re.escape(full_at)}: disk full .* writing .*\([\d,]+ bytes\)", str(e.value)
+    )
+    assert not leftovers(shard) and not storage.is_complete(shard)
+    assert not (shard / "part-00002.json").exists() if full_at != "COMPLETE" else True
+    extract.run(cfg)  # space freed: the rerun resumes
+    assert tree(tmp_path / "a" / "hs") == tree(tmp_path / "b" / "hs")
+
+
+def _train_cfg(shards: dict[str, Path], out: Path):
+    from eagle3_pipeline.config import TrainConfig
+
+    section = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())["train"]
+    return TrainConfig(**{
+        **section, "data_dir": [str(shards["float32"])], "split_dir": None, "val_ratio": 0.2,
+        "vocab_mapping_dir": str(shards["vocab_float32"]), "out_dir": str(out), "max_steps": 8,
+        "save_every": 4, "eval_every": 4, "keep_last": 10, "val_max_samples": 1,
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_shards, tmp_path_factory) -> Path:
+    from eagle3_pipeline import train
+
+    out = tmp_path_factory.mktemp("straight") / "train"
+    assert train.run(_train_cfg(tiny_shards, out)) == 0
+    return out
+
+
+def test_disk_full_during_checkpoint_stops_training_and_rerun_resumes_identically(
+    tiny_shards, straight_run, tmp_path, monkeypatch, caplog
+):
+    from eagle3_pipeline import checkpoint, train
+
+    out = tmp_path / "train"
+    hits = fill_disk_once(
+        monkeypatch, lambda tmp: tmp.parent.name == "step_000008.tmp" and tmp.name == "state.pt.tmp"
+    )
+    with pytest.raises(DiskFull, match=r"step_000008\.tmp/state\.pt: disk full .* writing .*bytes"):
+        train.run(_train_cfg(tiny_shards, out))
+    assert hits
+    ckpts = out / "checkpoints"
+    assert [p.name for p in checkpoint.complete_checkpoints(ckpts)] == ["step_000004"]
+    assert not leftovers(ckpts) and checkpoint.latest(ckpts).name == "step_000004"
+    caplog.set_level("INFO")
+    assert train.run(_train_cfg(tiny_shards, out)) == 0  # space freed
+    assert "resumed from" in caplog.text and "step_000004" in caplog.text
+    final = "checkpoints/step_000008/model.safetensors"
+    assert (out / final).read_bytes() == (straight_run / final).read_bytes()
+
+
+def test_disk_full_during_export_keeps_the_good_export_and_rerun_is_byte_identical(
+    straight_run, tmp_path, monkeypatch
+):
+    from eagle3_pipeline import export
+    from eagle3_pipeline.config import ExportConfig
+
+    out = tmp_path / "draft"
+    cfg = ExportConfig(train_dir=str(straight_run), checkpoint="latest", out_dir=str(out), overwrite=True)
+    export.run(cfg)
+    good = tree(out)
+    for full_at in ("model.safetensors", "export_meta.json"):
+        hits = fill_disk_once(monkeypatch, lambda tmp, f=full_at: tmp.name == f + storage.TMP_SUFFIX)
+        with pytest.raises(DiskFull, match=rf"draft\.tmp/{re.escape(full_at)}: disk full .*bytes"):
+            export.run(cfg)
+        assert hits and tree(out) == good  # the good export is untouched
+        assert not (tmp_path / "draft.tmp").exists() and not leftovers(tmp_path)
+        monkeypatch.undo()
+    shutil.rmtree(out)
+    hits = fill_disk_once(monkeypatch, lambda tmp: tmp.name == "config.json" + storage.TMP_SUFFIX)
+    with pytest.raises(DiskFull):
+        export.run(cfg)
+    assert not out.exists() and not (tmp_path / "draft.tmp").exists()
+    monkeypatch.undo()
+    export.run(cfg)  # space freed
+    assert tree(out) == good
