@@ -62,7 +62,8 @@ def test_disk_full_during_extraction_then_rerun_is_byte_identical(
         extract.run(cfg)
     shard = tmp_path / "b" / "hs" / "rows_00000000-00000010"
     assert hits and re.search(
-        rf"^hs/rows_00000000-00000010/{re.escape(full_at)}: disk full .* writing .*\([\d,]+ bytes\)", str(e.value)
+        rf"^hs/rows_00000000-00000010/{re.escape(full_at)}: disk full .* writing .*\([\d,]+ bytes\)",
+        str(e.value),
     )
     assert not leftovers(shard) and not storage.is_complete(shard)
     assert not (shard / "part-00002.json").exists() if full_at != "COMPLETE" else True
