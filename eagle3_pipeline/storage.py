@@ -60,7 +60,7 @@ def describe_bytes(n: int) -> str:
 
 
 @contextlib.contextmanager
-def disk_full_is_user_error(path: Path, tmp: Path, bytes_needed: int) -> Iterator[None]:
+def disk_full_is_user_error(path: Path, tmp: Path | None, bytes_needed: int) -> Iterator[None]:
     """A full disk while writing `tmp` (to become `path`): remove `tmp`, raise a UserError saying so."""
     try:
         yield
@@ -68,7 +68,8 @@ def disk_full_is_user_error(path: Path, tmp: Path, bytes_needed: int) -> Iterato
         if e.errno not in DISK_FULL_ERRNOS:
             raise
         with contextlib.suppress(OSError):
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+            if tmp is not None:
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         raise DiskFull(
             f"{path}: disk full ({os.strerror(e.errno)}) writing {describe_bytes(bytes_needed)}; "
             f"{describe_bytes(free_bytes(path.parent))} free on that filesystem. "
@@ -94,6 +95,13 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     with disk_full_is_user_error(path, tmp, len(data)):
         _write_tmp(tmp, lambda t: t.write_bytes(data))
     _replace(tmp, path, len(data))
+
+
+def append_text(path: Path, text: str) -> None:
+    """Append to a log (train_log.jsonl); a full disk is the same UserError as for any other write."""
+    with disk_full_is_user_error(path, None, len(text.encode())):
+        with open(path, "a") as f:
+            f.write(text)
 
 
 def tensor_bytes(obj: Any) -> int:

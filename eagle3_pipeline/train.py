@@ -414,8 +414,7 @@ class TrainLoop:
             elapsed / max(1, step - meter.start_step) * (self.plan.total_steps - step),
         )
         if self.dist.rank == 0:
-            with open(Path(self.cfg.out_dir) / "train_log.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
+            storage.append_text(Path(self.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
         meter.sums = {}
 
     def _save(self, prog: Progress, val: dict[str, float] | None) -> None:
