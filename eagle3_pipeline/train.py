@@ -25,7 +25,7 @@ from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft, trainable_names
-from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.errors import DiskFull, UserError
 from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
 from eagle3_pipeline.split import load_split, split_samples
@@ -418,6 +418,8 @@ class TrainLoop:
         meter.sums = {}
 
     def _save(self, prog: Progress, val: dict[str, float] | None) -> None:
+        """Rank 0 writes the checkpoint; a full disk there stops every rank (no rank left waiting)."""
+        failure: DiskFull | None = None
         if self.dist.rank == 0:
             state = dict(self.model.named_parameters())
             train_state = {
@@ -428,17 +430,25 @@ class TrainLoop:
             info: dict[str, Any] = {"history": prog.history}
             if val is not None:
                 info["val"] = val
-            path = checkpoint.save(
-                self.ckpt_root,
-                prog.step,
-                {n: state[n] for n in self.names},
-                train_state,
-                info,
-                self.cfg.keep_last,
-            )
-            log.info("checkpoint %s", path)
-        if self.dist.enabled:
-            torch.distributed.barrier()
+            try:
+                path = checkpoint.save(
+                    self.ckpt_root,
+                    prog.step,
+                    {n: state[n] for n in self.names},
+                    train_state,
+                    info,
+                    self.cfg.keep_last,
+                )
+                log.info("checkpoint %s", path)
+            except DiskFull as e:
+                failure = e
+        if self.dist.enabled:  # doubles as the barrier after the save
+            failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
+            torch.distributed.all_reduce(failed)
+            if failed.item() and failure is None:
+                raise UserError(f"rank 0 could not save checkpoint step {prog.step} (disk full; see rank 0)")
+        if failure is not None:
+            raise failure
 
 
 @dataclass

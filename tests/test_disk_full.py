@@ -138,3 +138,42 @@ def test_disk_full_during_export_keeps_the_good_export_and_rerun_is_byte_identic
     monkeypatch.undo()
     export.run(cfg)  # space freed
     assert tree(out) == good
+
+
+def test_disk_full_on_rank_0_stops_every_ddp_rank(tiny_shards, tmp_path):
+    """Under torchrun, rank 0's full disk reaches rank 1 too (no rank left waiting at a barrier)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent('''
+        import errno, os
+        from eagle3_pipeline import storage
+        real = storage._write_tmp
+        def write(tmp, writer):
+            if tmp.parent.name == "step_000004.tmp" and tmp.name == "state.pt.tmp":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            real(tmp, writer)
+        storage._write_tmp = write
+    '''))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{hook}:{REPO}"}
+    out = tmp_path / "ddp"
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", str(REPO / "04_train.py"),
+            "--config", str(REPO / "configs" / "tiny.toml"), "--data-dir", str(tiny_shards["float32"]),
+            "--split-dir", "", "--val-ratio", "0.2", "--vocab-mapping-dir", str(tiny_shards["vocab_float32"]),
+            "--out-dir", str(out), "--max-steps", "8", "--save-every", "4", "--eval-every", "4",
+        ],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert re.search(r"\[rank 0\] error: .*step_000004\.tmp/state\.pt: disk full", proc.stderr), proc.stderr[
+        -3000:
+    ]
+    assert "[rank 1] error: rank 0 could not save checkpoint step 4 (disk full" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert not list((out / "checkpoints").glob("step_*"))
