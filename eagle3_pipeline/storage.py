@@ -36,6 +36,23 @@ def fsync_dir(path: Path) -> None:
 
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How the libraries report it: safetensors (Rust) "I/O error: No space left on device (os error 28)";
+# torch.save a RuntimeError "unexpected pos" whose __context__ is the OSError (measured on a full tmpfs).
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+def _is_disk_full(e: BaseException, folder: Path) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:  # the exception and what it was raised from or during
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return True
+        if any(t in str(seen) for t in DISK_FULL_TEXT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return free_bytes(folder) == 0  # a writer that reports it some other way
+    except OSError:
+        return False
 
 
 def free_bytes(path: Path) -> int:
@@ -64,14 +81,15 @@ def disk_full_is_user_error(path: Path, tmp: Path | None, bytes_needed: int) -> 
     """A full disk while writing `tmp` (to become `path`): remove `tmp`, raise a UserError saying so."""
     try:
         yield
-    except OSError as e:
-        if e.errno not in DISK_FULL_ERRNOS:
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a full disk
+        if not _is_disk_full(e, path.parent):
             raise
+        errno_ = next((x.errno for x in (e, e.__context__) if isinstance(x, OSError)), errno.ENOSPC)
         with contextlib.suppress(OSError):
             if tmp is not None:
                 shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         raise DiskFull(
-            f"{path}: disk full ({os.strerror(e.errno)}) writing {describe_bytes(bytes_needed)}; "
+            f"{path}: disk full ({os.strerror(errno_)}) writing {describe_bytes(bytes_needed)}; "
             f"{describe_bytes(free_bytes(path.parent))} free on that filesystem. "
             "Free space and rerun the same command: it resumes, and nothing half-written counts"
         ) from None
@@ -117,13 +135,19 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def torch_save_atomic(obj: Any, path: Path) -> None:
+def _torch_save_to(obj: Any, path: Path) -> None:
+    """torch.save through a Python file, so a full disk surfaces as the OSError behind its RuntimeError."""
     import torch
 
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def torch_save_atomic(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     need = tensor_bytes(obj)
     with disk_full_is_user_error(path, tmp, need):
-        _write_tmp(tmp, lambda t: torch.save(obj, t))
+        _write_tmp(tmp, lambda t: _torch_save_to(obj, t))
     _replace(tmp, path, need)
 
 

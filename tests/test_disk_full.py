@@ -177,3 +177,44 @@ def test_disk_full_on_rank_0_stops_every_ddp_rank(tiny_shards, tmp_path):
         -3000:
     ]
     assert not list((out / "checkpoints").glob("step_*"))
+
+
+FULL_FS_CHECK = """
+import sys, torch
+from pathlib import Path
+from eagle3_pipeline import storage
+from eagle3_pipeline.errors import DiskFull
+d = Path(sys.argv[1])
+big = {"x": torch.zeros(1 << 20)}  # 4 MiB into a 1 MiB filesystem
+for name, write in [
+    ("a.safetensors", lambda p: storage.save_safetensors_atomic(big, p)),
+    ("state.pt", lambda p: storage.torch_save_atomic({"optimizer": big}, p)),
+    ("b.json", lambda p: storage.write_bytes_atomic(p, b"0" * (4 << 20))),
+]:
+    try:
+        write(d / name)
+    except DiskFull as e:
+        assert str(e).startswith(f"{d / name}: disk full (No space left on device) writing"), e
+    else:
+        raise AssertionError(name + ": no error")
+    assert not list(d.iterdir()), list(d.iterdir())  # the partial temp file is gone
+print("all disk full")
+"""
+
+
+def test_a_real_full_filesystem_is_reported_as_disk_full_by_every_writer(tmp_path):
+    """A 1 MiB tmpfs (in a private mount namespace): safetensors and torch.save report a full disk in
+    their own ways (a Rust I/O error, a RuntimeError raised during the OSError); each is a DiskFull."""
+    import subprocess
+    import sys
+
+    (tmp_path / "check.py").write_text(FULL_FS_CHECK)
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    shell = f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} {tmp_path / 'check.py'} {mnt}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "all disk full" in proc.stdout, proc.stderr[-3000:]
