@@ -11,8 +11,13 @@ Output:  one shard `<out-dir>/rows_<start>-<end>/` per row range: input_ids, ass
          layer's pre-norm output for the teacher, in safetensors part files, with manifest.json
          (sample ids, token counts, sha256 per file), rejects.jsonl (every row not written, with its
          reason) and meta.json (verifier, layer ids, hidden size, dtype, counts, versions).
+Storage: --storage-dtype float8_e4m3fn halves the disk (28,688 instead of 57,344 bytes per Kimi token:
+per-token float32 scales); later stages read it dequantised. Default: as computed (--dtype).
 Safe to interrupt: parts are written atomically; rerun the same command to finish a shard (finished
-parts are skipped); --overwrite redoes it. A complete shard is a logged skip (exit 0).
+parts are skipped); --overwrite redoes it. A complete shard is a logged skip (exit 0). A full disk is an
+error naming the file and the bytes; a run that would not fit (sampled tokens per row) does not start.
+--plan prints what the whole run needs (disk per storage dtype, memory per GPU, steps, time) and runs
+nothing; it needs only the verifier's config.json.
 
 Examples:
   # one shard with the real run's settings
@@ -24,6 +29,9 @@ Examples:
   python 01_extract_hidden_states.py --config configs/kimi_k25.toml --chat-template-kwargs '{"thinking":false}'
   # the tiny CI verifier
   python 01_extract_hidden_states.py --config configs/tiny.toml
+  # size the whole run first (no weights needed); store fp8
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --plan --plan-gpus 8
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --storage-dtype float8_e4m3fn
 """
 
 import sys
@@ -37,7 +45,12 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "extract", argv, body)
+    def plan(cfg, options, config_path):
+        from eagle3_pipeline.plan import plan_extract
+
+        return plan_extract(cfg, options, config_path)
+
+    return run_stage(__doc__, "extract", argv, body, plan=plan)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,17 @@ Kimi, never inherited from the verifier). Loss: KL to the verifier's distributio
 Validation: acc/cond accuracy per TTT step and the simulated acceptance length, also before training.
 Safe to interrupt: SIGTERM/SIGINT save a checkpoint and exit 130; rerunning the same command resumes
 from the latest complete checkpoint with model, optimizer, scheduler, RNG and data position restored
-(bitwise identical to an uninterrupted run on CPU). --overwrite starts over.
+(bitwise identical to an uninterrupted run on CPU). --overwrite starts over. A full disk while saving a
+checkpoint stops the run with an error naming the file and the bytes (the unfinished checkpoint is
+deleted; a rerun resumes from the last complete one); a run whose checkpoints would not fit does not start.
+--plan prints draft shapes, parameters, memory per GPU, steps per epoch and time, and runs nothing
+(the verifier's config.json is enough; token counts from the shards' manifests when they exist).
 
 Examples:
   python 04_train.py --config configs/kimi_k25.toml                        # one GPU, bf16
   torchrun --nproc-per-node 8 04_train.py --config configs/kimi_k25.toml   # 8 GPUs, DDP
   python 04_train.py --config configs/tiny.toml                            # CPU smoke, fp32
+  python 04_train.py --config configs/kimi_k25.toml --plan --plan-gpus 8 --plan-tokens-per-second 200000
 """
 
 import sys
@@ -30,7 +35,12 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "train", argv, body)
+    def plan(cfg, options, config_path):
+        from eagle3_pipeline.plan import plan_train
+
+        return plan_train(cfg, options, config_path)
+
+    return run_stage(__doc__, "train", argv, body, plan=plan)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 `<run>/checkpoints/step_000400/` holds model.safetensors (trainable weights only: the verifier's
 tensors are reloaded from the verifier), state.pt (optimizer, scheduler, RNG states) and checkpoint.json
 (step, validation metrics); it is built as `step_000400.tmp` and renamed after COMPLETE is written.
+A full disk while saving is a UserError naming the file and the bytes; the unfinished `.tmp` folder is
+deleted, so the latest complete checkpoint is still the one a rerun resumes from.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import storage
-from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.errors import DiskFull, UserError
 
 log = logging.getLogger("eagle3.checkpoint")
 
@@ -68,11 +70,15 @@ def save(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    storage.save_safetensors_atomic(
-        {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "model.safetensors"
-    )
-    torch.save(train_state, tmp / "state.pt")
-    storage.write_json_atomic(tmp / "checkpoint.json", {"step": step, **info})
+    try:
+        storage.save_safetensors_atomic(
+            {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "model.safetensors"
+        )
+        storage.torch_save_atomic(train_state, tmp / "state.pt")
+        storage.write_json_atomic(tmp / "checkpoint.json", {"step": step, **info})
+    except DiskFull:  # drop the unfinished checkpoint (it never counted) to free its space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     storage.publish_dir(tmp, final)
     _update_best(root, final, info)
     _prune(root, keep_last)

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from eagle3_pipeline.config import STAGE_CONFIGS, add_config_flags, resolve_config
+from eagle3_pipeline.config import (
+    STAGE_CONFIGS,
+    PlanOptions,
+    add_config_flags,
+    options_from_args,
+    resolve_config,
+)
 from eagle3_pipeline.errors import UserError
 
 log = logging.getLogger("eagle3")
@@ -49,15 +55,24 @@ def run_stage(
     argv: list[str] | None,
     body: Callable[[Any], int | None],
     extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    plan: Callable[[Any, PlanOptions, str | None], int] | None = None,
 ) -> int:
-    """Parse, resolve the config, run `body(cfg)`; a UserError is one line and exit status 2."""
+    """Parse, resolve the config, run `body(cfg)`; a UserError is one line and exit status 2.
+
+    A stage that sizes a run passes `plan(cfg, options, config_path)`: `--plan` calls it instead.
+    """
     parser = build_parser(doc, section)
     if extra_args is not None:
         extra_args(parser)
+    if plan is not None:
+        add_config_flags(parser.add_argument_group("plan (run nothing)"), PlanOptions, with_config=False)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = resolve_config(STAGE_CONFIGS[section], args, section)
+        options = options_from_args(PlanOptions, args) if plan is not None else None
+        if options is not None and options.plan:
+            return int(plan(cfg, options, args.config) or 0)
         if extra_args is not None:
             cfg = (cfg, args)
         code = body(cfg)

@@ -105,6 +105,12 @@ class ExtractConfig:
     dtype: str = _f(
         "auto", "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."
     )
+    storage_dtype: str = _f(
+        "auto",
+        "How aux/last hidden states are stored: auto (as computed, --dtype), bfloat16, float32, or "
+        "float8_e4m3fn with a float32 scale per token and layer (half the bytes of bfloat16; "
+        "stages 02-05 read it dequantised).",
+    )
     trust_remote_code: bool = _f(
         False,
         "Allow the verifier's own code: Kimi-K2.5's tiktoken tokenizer needs it (its model also loads "
@@ -235,6 +241,27 @@ class EvaluateConfig:
     )
 
 
+@dataclass
+class PlanOptions:
+    """`--plan` on stages 01 and 04 (plan.py): command-line only, never part of a run's recorded config."""
+
+    plan: bool = _f(
+        False,
+        "Print what the run will need (aux ids, draft shapes and parameters, disk per storage dtype, memory "
+        "per GPU, steps, time) from the verifier's config.json and a sample of the data; run nothing.",
+    )
+    plan_gpus: int = _f(8, "GPUs the plan assumes for DDP (steps per epoch; DDP gradient buckets).")
+    plan_rows: int | None = _f(None, "Input rows of the whole dataset (default: counted in --data-path).")
+    plan_tokens_per_row: float | None = _f(
+        None, "Tokens per row when neither shards nor data and tokenizer are at hand (default: measured)."
+    )
+    plan_sample_rows: int = _f(256, "Rows tokenized to measure tokens per row.")
+    plan_tokens_per_second: float | None = _f(
+        None, "Training throughput of the whole run (a log line's tok/s) for the time estimate."
+    )
+    plan_json: str | None = _f(None, "Also write the plan as JSON to this file.")
+
+
 STAGE_CONFIGS = {
     "regenerate": RegenerateConfig,
     "extract": ExtractConfig,
@@ -255,9 +282,10 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, with_config: bool = True) -> None:
     """One `--flag` per config field; defaults are None so unset flags don't mask the file."""
-    parser.add_argument("--config", help="TOML config file; this stage reads its own section.")
+    if with_config:
+        parser.add_argument("--config", help="TOML config file; this stage reads its own section.")
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, _ = _base_type(hints[f.name])
@@ -358,6 +386,14 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
         ok = isinstance(value, tp)
     if not ok:
         raise UserError(f"[{section}] {name} = {value!r}: expected {getattr(tp, '__name__', tp)}")
+
+
+def options_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """A command-line-only options dataclass (PlanOptions): flags given, else the field defaults."""
+    given = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None
+    }
+    return cls(**given)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -7,3 +7,7 @@ class UserError(Exception):
     Stage scripts catch it, log `error: <message>` and exit with status 2; anything else is a bug
     and keeps its traceback.
     """
+
+
+class DiskFull(UserError):
+    """A write failed for lack of space (ENOSPC/EDQUOT); the message names the file and the bytes."""

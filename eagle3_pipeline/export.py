@@ -20,7 +20,7 @@ import torch
 from eagle3_pipeline import checkpoint, storage
 from eagle3_pipeline.config import ExportConfig, config_to_dict
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft
-from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.errors import DiskFull, UserError
 from eagle3_pipeline.packing import pack
 from eagle3_pipeline.reference_draft import ReferenceDraft, aux_layer_ids_of
 from eagle3_pipeline.shards import load_sample, open_shards
@@ -355,8 +355,7 @@ def serve_line(verifier_path: str, export_dir: Path, k: int) -> str:
 
 def run(cfg: ExportConfig) -> int:
     import json
-
-    from safetensors.torch import save_file
+    import shutil
 
     out_dir = Path(cfg.out_dir)
     if storage.is_complete(out_dir) and not cfg.overwrite:
@@ -366,10 +365,44 @@ def run(cfg: ExportConfig) -> int:
     spec = DraftSpec.from_json(meta["draft"])
     vcfg = json.loads((Path(meta["verifier_path"]) / "config.json").read_text())
     tmp = storage.fresh_tmp_dir(out_dir)
+    try:
+        stats, info, ckpt_name = _build(cfg, tmp, ckpt, meta, model, vt, d2t, t2d, spec, vcfg)
+    except DiskFull:  # the unfinished export never counts; free its space (a refused one stays to read)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    storage.publish_dir(tmp, out_dir)  # the old export is replaced only now, after the gate passed
+    log.info(
+        "done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
+        out_dir,
+        ckpt_name,
+        info["step"],
+        stats["top1_agreement"],
+        stats["normalised_error"],
+        stats["positions"],
+    )
+    print(serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens))
+    return 0
+
+
+def _build(
+    cfg: ExportConfig,
+    tmp: Path,
+    ckpt: Path | None,
+    meta: dict[str, Any],
+    model: Any,
+    vt: dict[str, torch.Tensor],
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    spec: DraftSpec,
+    vcfg: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """config.json, weights and export_meta.json in `tmp`, behind the gate; (stats, checkpoint info, name)."""
+    import json
+
     config = export_config(spec, vcfg.get("text_config") or vcfg)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    storage.write_bytes_atomic(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     tensors = flat_weights(dict(model.named_parameters()), d2t, t2d, spec)
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    storage.save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     stats = gate(tmp, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, cfg.gate_samples))
     info = {"step": 0} if ckpt is None else json.loads((ckpt / "checkpoint.json").read_text())
     ckpt_name = "init" if ckpt is None else ckpt.name
@@ -390,18 +423,7 @@ def run(cfg: ExportConfig) -> int:
             "versions": storage.versions(),
         },
     )
-    storage.publish_dir(tmp, out_dir)  # the old export is replaced only now, after the gate passed
-    log.info(
-        "done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
-        out_dir,
-        ckpt_name,
-        info["step"],
-        stats["top1_agreement"],
-        stats["normalised_error"],
-        stats["positions"],
-    )
-    print(serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens))
-    return 0
+    return stats, info, ckpt_name
 
 
 def check(export_dir: Path, samples_n: int = 4) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 Shard layout (`<out_dir>/rows_<start>-<end>/`):
   part-00000.safetensors  input_ids int32 [N], loss_mask uint8 [N], aux_hidden_states [N, n_aux, H],
-                          last_hidden_state [N, H] (pre-final-norm, for the teacher), offsets int64 [n+1]
-  part-00000.json         the part's samples (ids, rows, token counts), rejects and the file's sha256;
-                          written last, so a part counts only when its .json exists
+                          last_hidden_state [N, H] (pre-final-norm, for the teacher), offsets int64 [n+1],
+                          and with fp8 storage their float32 row scales (state_dtype.py)
+  part-00000.json         the part's samples (ids, rows, token counts, sha256 of each sample's bytes),
+                          rejects, the file's sha256 and the token tensors' sha256; written last, so a
+                          part counts only when its .json exists
   manifest.json, rejects.jsonl, meta.json, COMPLETE   written once every part is done
 Parts cover fixed blocks of `samples_per_file` input rows, so a rerun after a crash redoes only the
 block that was in flight, and the result is byte-identical to an uninterrupted run.
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import storage
+from eagle3_pipeline import state_dtype, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import ExtractConfig, config_to_dict
 from eagle3_pipeline.conversations import RawRow, RowRejected, count_rows, read_rows
@@ -40,9 +42,11 @@ from eagle3_pipeline.verifier import (
 
 log = logging.getLogger("eagle3.extract")
 
-SHARD_FORMAT = "eagle3-hidden-states/1"
+# /2: storage_dtype (fp8 with scales), sha256 per sample (checked when read) and of the token tensors
+SHARD_FORMAT = "eagle3-hidden-states/2"
 MAX_REJECTS_LOGGED_PER_PART = 5  # the rest are only in rejects.jsonl (600k rows could flood the log)
 RUN_FILE = "run.json"  # the settings a shard was started with; a resume must match them
+TOKEN_KEYS = ("input_ids", "loss_mask", "offsets")  # what stage 02 reads of a part (tokens_sha256)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -77,12 +81,14 @@ def run(cfg: ExtractConfig) -> int:
     if cfg.samples_per_file < 1:
         raise UserError("samples_per_file must be >= 1")
     dtype = resolve_dtype(cfg.dtype)
+    storage_dtype = state_dtype.resolve_storage_dtype(cfg.storage_dtype, dtype)
     shard = Path(cfg.out_dir) / shard_name(start, end)
     settings = {
         "format": SHARD_FORMAT,
         "verifier": asdict(facts),
         "aux_layer_ids": aux_ids,
         "dtype": str(dtype).removeprefix("torch."),
+        "storage_dtype": storage_dtype,
         "data_path": str(data_path.resolve()),
         "data_split": cfg.data_split,
         "row_range": [start, end],
@@ -116,7 +122,7 @@ def run(cfg: ExtractConfig) -> int:
     blocks = [(b, min(b + cfg.samples_per_file, end)) for b in range(start, end, cfg.samples_per_file)]
     todo = [(n, b) for n, b in enumerate(blocks) if not (shard / f"part-{n:05d}.json").exists()]
     log.info(
-        "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s",
+        "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
         shard,
         start,
         end,
@@ -124,11 +130,50 @@ def run(cfg: ExtractConfig) -> int:
         len(todo),
         aux_ids,
         settings["dtype"],
+        storage_dtype,
     )
     if todo:
-        _extract_parts(cfg, shard, blocks, todo, aux_ids, dtype, facts.num_hidden_layers)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
+        _check_free_space(cfg, shard, tokenizer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
+        _extract_parts(
+            cfg, shard, blocks, todo, aux_ids, dtype, storage_dtype, facts.num_hidden_layers, tokenizer
+        )
     _finish_shard(cfg, shard, blocks, settings)
     return 0
+
+
+def _check_free_space(
+    cfg: ExtractConfig,
+    shard: Path,
+    tokenizer: Any,
+    todo: list[tuple[int, tuple[int, int]]],
+    num_aux: int,
+    hidden_size: int,
+    storage_dtype: str,
+) -> None:
+    """Refuse to start when the parts still to write would not fit (tokens per row from a sample)."""
+    from eagle3_pipeline.plan import sample_tokens_per_row
+
+    a0 = todo[0][1][0]
+    rows_todo = sum(b - a for _, (a, b) in todo)
+    per_row = sample_tokens_per_row(tokenizer, Path(cfg.data_path), cfg.data_split, a0, a0 + rows_todo,
+                                    cfg.max_seq_len)  # fmt: skip
+    if per_row is None:
+        return
+    need = int(rows_todo * per_row * state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size))
+    free = storage.free_bytes(shard)
+    log.info("disk | need ~%s for %d rows | free %s", storage.format_bytes(need), rows_todo,
+             storage.format_bytes(free))  # fmt: skip
+    if need > free:
+        raise UserError(
+            f"{shard}: {rows_todo} rows x {per_row:.0f} tokens/row (sampled) x "
+            f"{state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size)} bytes/token "
+            f"({storage_dtype}) = {storage.describe_bytes(need)} needed, {storage.describe_bytes(free)} "
+            "free; "
+            "free space, extract a smaller row range, or store as float8_e4m3fn (--storage-dtype)"
+        )
 
 
 def _seen_ids(shard: Path, blocks: list[tuple[int, int]], before_part: int) -> dict[str, int]:
@@ -147,12 +192,11 @@ def _extract_parts(
     todo: list[tuple[int, tuple[int, int]]],
     aux_ids: list[int],
     dtype: torch.dtype,
+    storage_dtype: str,
     num_layers: int,
+    tokenizer: Any,
 ) -> None:
-    from transformers import AutoTokenizer
-
     verifier_path = Path(cfg.verifier_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     model = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
     capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
@@ -162,7 +206,7 @@ def _extract_parts(
         for n, (a, b) in todo:
             seen = _seen_ids(shard, blocks, n)
             samples = []
-            tensors: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "aux": [], "last": []}
+            tensors: dict[str, list[torch.Tensor]] = {}
             accepted, rejects = block_samples(
                 read_rows(Path(cfg.data_path), a, b, cfg.data_split), tokenizer, opts, seen, cfg.data_path
             )
@@ -170,12 +214,16 @@ def _extract_parts(
             states = _forward_batched(model, capture, sequences, cfg.max_batch_tokens)
             for (row, smp), (aux, last) in zip(accepted, states):
                 ids, mask = smp.input_ids, smp.loss_mask
-                tensors["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
-                tensors["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
-                tensors["aux"].append(aux.to("cpu", dtype))
-                tensors["last"].append(last.to("cpu", dtype))
+                stored = {
+                    "input_ids": torch.tensor(ids, dtype=torch.int32),
+                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                    **state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype),
+                }
+                for k, v in stored.items():
+                    tensors.setdefault(k, []).append(v)
                 info = {"id": smp.sample_id, "row": row, "num_tokens": len(ids)}
                 info["num_loss_tokens"] = int(sum(mask))
+                info["sha256"] = storage.sha256_tensors(stored)  # checked when the sample is read
                 if smp.truncated_from is not None:
                     info["truncated_from"] = smp.truncated_from
                 samples.append(info)
@@ -282,18 +330,15 @@ def _write_part(
         lengths = [len(t) for t in tensors["input_ids"]]
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
         fname = f"part-{n:05d}.safetensors"
-        digest = storage.save_safetensors_atomic(
-            {
-                "input_ids": torch.cat(tensors["input_ids"]),
-                "loss_mask": torch.cat(tensors["loss_mask"]),
-                "aux_hidden_states": torch.cat(tensors["aux"]),
-                "last_hidden_state": torch.cat(tensors["last"]),
-                "offsets": offsets,
-            },
-            shard / fname,
-            metadata={"format": SHARD_FORMAT},
+        joined = {k: torch.cat(v) for k, v in tensors.items()}
+        joined["offsets"] = offsets
+        digest = storage.save_safetensors_atomic(joined, shard / fname, metadata={"format": SHARD_FORMAT})
+        info.update(
+            file=fname,
+            sha256=digest,
+            bytes=(shard / fname).stat().st_size,
+            tokens_sha256=storage.sha256_tensors({k: joined[k] for k in TOKEN_KEYS}),
         )
-        info.update(file=fname, sha256=digest, bytes=(shard / fname).stat().st_size)
     storage.write_json_atomic(shard / f"part-{n:05d}.json", info)
 
 
@@ -306,7 +351,7 @@ def _finish_shard(
         info = storage.read_json(shard / f"part-{n:05d}.json")
         rejects.extend(info["rejects"])
         if info["file"]:
-            files.append({k: info[k] for k in ("file", "sha256", "bytes", "samples")})
+            files.append({k: info[k] for k in ("file", "sha256", "bytes", "tokens_sha256", "samples")})
             num_samples += len(info["samples"])
             num_rows_written += len({s["row"] for s in info["samples"]})  # a row may give several samples
             num_truncated += sum("truncated_from" in s for s in info["samples"])

@@ -7,8 +7,12 @@ Several samples share one row; document ids keep their attention apart.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 import torch
 
+from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.shards import SampleRef, load_sample
 
 PACKED_KEYS = ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
@@ -58,8 +62,16 @@ def micro_batches(
     return batches
 
 
+ERROR_KEY = "error"  # a batch that could not be read carries only this: the UserError's message
+
+
 class BatchDataset(torch.utils.data.Dataset):
-    """Micro-batch i, loaded and packed (in DataLoader workers when there are any)."""
+    """Micro-batch i, loaded and packed (in DataLoader workers when there are any).
+
+    A UserError (a corrupt sample) comes back as `{ERROR_KEY: message}` rather than raised: raised in
+    a worker, the DataLoader would re-raise it wrapped in the worker's traceback text.
+    `raise_batch_errors` turns it back into the UserError in the training process.
+    """
 
     def __init__(self, batches: list[list[SampleRef]], max_seq_len: int, loss_on_all_tokens: bool = False):
         self.batches = batches
@@ -69,5 +81,17 @@ class BatchDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return pack([load_sample(r) for r in self.batches[i]], self.max_seq_len, self.loss_on_all_tokens)
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        try:
+            samples = [load_sample(r) for r in self.batches[i]]
+        except UserError as e:
+            return {ERROR_KEY: str(e)}
+        return pack(samples, self.max_seq_len, self.loss_on_all_tokens)
+
+
+def raise_batch_errors(loader: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The loader's batches; a batch that failed to load stops the run with its UserError."""
+    for batch in loader:
+        if ERROR_KEY in batch:
+            raise UserError(batch[ERROR_KEY])
+        yield batch

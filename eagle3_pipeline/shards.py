@@ -1,8 +1,14 @@
 """Reading hidden-state shards safely: only complete ones, checksummed, and all from one verifier setup.
 
 Every later stage opens its `--data-dir` folders through `open_shards`, which refuses (naming the file)
-a shard that is unfinished, truncated, corrupt (sha256), or made with another verifier, other aux
-layer ids, hidden size or dtype than the other shards or than the stage expects.
+a shard that is unfinished, truncated, or made with another verifier, other aux layer ids, hidden size,
+dtype or storage dtype than the other shards or than the stage expects. Those start checks are cheap:
+COMPLETE markers, meta.json, the manifest's sha256, file sizes, safetensors headers (shapes, dtypes) and
+the offsets tensor; their cost grows with the number of parts, not with their bytes
+(benchmarks/stage_start.py). The bytes themselves are checked when read: `load_sample` hashes the
+sample it read against the sha256 recorded at extraction (in the DataLoader workers, off the training
+step), `iter_part_tokens` the token tensors. A corrupt part is refused naming the file, at the latest
+when it is read.
 """
 
 from __future__ import annotations
@@ -14,15 +20,15 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import storage
+from eagle3_pipeline import state_dtype, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.extract import SHARD_FORMAT
+from eagle3_pipeline.extract import SHARD_FORMAT, TOKEN_KEYS
 
 log = logging.getLogger("eagle3.shards")
 
 # The facts a consumer relies on; they must agree across shards and with what the consumer expects.
-CONTRACT_KEYS = ("aux_layer_ids", "hidden_size", "dtype")
+CONTRACT_KEYS = ("aux_layer_ids", "hidden_size", "dtype", "storage_dtype")
 VERIFIER_KEYS = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size")
 REQUIRED_META_KEYS = ("verifier", *CONTRACT_KEYS, "manifest_sha256", "num_samples")
 
@@ -34,6 +40,7 @@ class SampleRef:
     index: int  # position inside the part file
     sample_id: str
     num_tokens: int
+    sha256: str = ""  # of the sample's stored bytes (storage.sha256_tensors), checked by load_sample
 
 
 @dataclass
@@ -89,7 +96,7 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
                         "(same rows extracted twice?)"
                     )
                 seen[smp["id"]] = s
-                samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"]))
+                samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"], smp["sha256"]))
     if not samples:
         raise UserError(f"{', '.join(map(str, shards))}: no samples (every row was rejected?)")
     return ShardSet(shards, first, samples)
@@ -132,16 +139,11 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
                     f"{path}: {path.stat().st_size} bytes, manifest says {f['bytes']} (truncated?); "
                     "re-extract the shard with --overwrite"
                 )
-            if storage.sha256_file(path) != f["sha256"]:
-                raise UserError(
-                    f"{path}: sha256 mismatch with manifest.json (corrupt file); "
-                    "re-extract the shard with --overwrite"
-                )
             _check_part_layout(path, meta, [s["num_tokens"] for s in f["samples"]])
     return meta
 
 
-_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", state_dtype.FP8: "F8_E4M3"}
 
 
 def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) -> None:
@@ -156,6 +158,9 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
         "last_hidden_state": [n_tok, hidden],
         "offsets": [len(num_tokens) + 1],
     }
+    if meta["storage_dtype"] == state_dtype.FP8:
+        want["aux_hidden_states_scale"] = [n_tok, n_aux]
+        want["last_hidden_state_scale"] = [n_tok]
     with safe_open(str(path), "pt") as f:
         for name, shape in want.items():
             if name not in f.keys():
@@ -168,8 +173,9 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
                 )
         for name in ("aux_hidden_states", "last_hidden_state"):
             dtype = f.get_slice(name).get_dtype()
-            if dtype != _SAFETENSORS_DTYPE.get(meta["dtype"], meta["dtype"]):
-                raise UserError(f"{path}: {name} is {dtype}, meta.json says {meta['dtype']}")
+            stored = meta["storage_dtype"]
+            if dtype != _SAFETENSORS_DTYPE.get(stored, stored):
+                raise UserError(f"{path}: {name} is {dtype}, meta.json says storage_dtype {stored}")
         lengths = (f.get_tensor("offsets").diff()).tolist()
         if lengths != num_tokens:
             raise UserError(f"{path}: sample lengths {lengths} differ from manifest.json's {num_tokens}")
@@ -180,7 +186,8 @@ def _check_same(shard: Path, meta: dict[str, Any], ref: dict[str, Any], ref_name
         if meta[key] != ref[key]:
             raise UserError(
                 f"{shard / storage.META_NAME}: {key} {meta[key]} differs from {ref[key]} in "
-                f"{ref_name}; shards of one run must share verifier, layer ids, hidden size, dtype"
+                f"{ref_name}; shards of one run must share verifier, layer ids, hidden size, dtype and "
+                "storage dtype"
             )
     for key in VERIFIER_KEYS:
         if meta["verifier"][key] != ref["verifier"][key]:
@@ -211,20 +218,40 @@ def load_sample(
     ref: SampleRef,
     keys: tuple[str, ...] = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"),
 ) -> dict[str, torch.Tensor]:
-    """One sample's tensors, read by slicing the part file (never the whole file)."""
+    """One sample's tensors, read by slicing the part file (never the whole file), checked, decoded.
+
+    Every stored tensor of the sample is read and hashed against the sha256 that stage 01 recorded,
+    so corruption anywhere in the sample's bytes is refused naming the file; fp8 states come back as
+    float32 (state_dtype.decode).
+    """
     from safetensors import safe_open
 
-    with safe_open(str(Path(ref.shard) / ref.file), "pt") as f:
+    path = Path(ref.shard) / ref.file
+    with safe_open(str(path), "pt") as f:
         offsets = f.get_tensor("offsets")
         a, b = int(offsets[ref.index]), int(offsets[ref.index + 1])
-        return {k: f.get_slice(k)[a:b] for k in keys}
+        stored = {k: f.get_slice(k)[a:b] for k in f.keys() if k != "offsets"}
+    if ref.sha256 and storage.sha256_tensors(stored) != ref.sha256:
+        raise UserError(
+            f"{path}: sha256 of sample {ref.sample_id!r} (#{ref.index}) differs from manifest.json "
+            "(corrupt file); re-extract the shard with --overwrite"
+        )
+    decoded = state_dtype.decode(stored)
+    return {k: decoded[k] for k in keys}
 
 
 def iter_part_tokens(shards: list[Path]) -> Any:
-    """(input_ids, loss_mask) of whole part files, for token statistics."""
+    """(input_ids, loss_mask) of whole part files, for token statistics; checked against tokens_sha256."""
     from safetensors import safe_open
 
     for s in shards:
         for f in storage.read_json(s / "manifest.json")["files"]:
-            with safe_open(str(s / f["file"]), "pt") as st:
-                yield st.get_tensor("input_ids"), st.get_tensor("loss_mask")
+            path = s / f["file"]
+            with safe_open(str(path), "pt") as st:
+                tokens = {k: st.get_tensor(k) for k in TOKEN_KEYS}
+            if storage.sha256_tensors(tokens) != f["tokens_sha256"]:
+                raise UserError(
+                    f"{path}: sha256 of the token tensors differs from manifest.json (corrupt file); "
+                    "re-extract the shard with --overwrite"
+                )
+            yield tokens["input_ids"], tokens["loss_mask"]

@@ -25,8 +25,8 @@ from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft, trainable_names
-from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.packing import BatchDataset, micro_batches
+from eagle3_pipeline.errors import DiskFull, UserError
+from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
 from eagle3_pipeline.split import load_split, split_samples
 from eagle3_pipeline.train_metrics import accumulate, forward, log_validation, summarize, validate
@@ -221,6 +221,8 @@ def run(cfg: TrainConfig) -> int:
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
     params = [p for n, p in model.named_parameters() if n in names]
+    if dist.rank == 0:
+        _check_checkpoint_space(cfg, sum(p.numel() for p in params))
     optimizer, scheduler = build_optimizer(cfg, params, plan)
     prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
     if prog.step >= plan.total_steps:
@@ -286,12 +288,14 @@ class TrainLoop:
         )  # fmt: skip
 
     def _loader(self, batches: list[list[SampleRef]]) -> Any:
-        return torch.utils.data.DataLoader(
-            BatchDataset(batches, self.cfg.max_seq_len, self.cfg.loss_on_all_tokens),
-            batch_size=None,
-            shuffle=False,
-            num_workers=self.cfg.num_workers,
-            persistent_workers=False,
+        return _Checked(
+            torch.utils.data.DataLoader(
+                BatchDataset(batches, self.cfg.max_seq_len, self.cfg.loss_on_all_tokens),
+                batch_size=None,
+                shuffle=False,
+                num_workers=self.cfg.num_workers,
+                persistent_workers=False,
+            )
         )
 
     def validate(self) -> dict[str, float]:
@@ -410,11 +414,12 @@ class TrainLoop:
             elapsed / max(1, step - meter.start_step) * (self.plan.total_steps - step),
         )
         if self.dist.rank == 0:
-            with open(Path(self.cfg.out_dir) / "train_log.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
+            storage.append_text(Path(self.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
         meter.sums = {}
 
     def _save(self, prog: Progress, val: dict[str, float] | None) -> None:
+        """Rank 0 writes the checkpoint; a full disk there stops every rank (no rank left waiting)."""
+        failure: DiskFull | None = None
         if self.dist.rank == 0:
             state = dict(self.model.named_parameters())
             train_state = {
@@ -425,17 +430,35 @@ class TrainLoop:
             info: dict[str, Any] = {"history": prog.history}
             if val is not None:
                 info["val"] = val
-            path = checkpoint.save(
-                self.ckpt_root,
-                prog.step,
-                {n: state[n] for n in self.names},
-                train_state,
-                info,
-                self.cfg.keep_last,
-            )
-            log.info("checkpoint %s", path)
-        if self.dist.enabled:
-            torch.distributed.barrier()
+            try:
+                path = checkpoint.save(
+                    self.ckpt_root,
+                    prog.step,
+                    {n: state[n] for n in self.names},
+                    train_state,
+                    info,
+                    self.cfg.keep_last,
+                )
+                log.info("checkpoint %s", path)
+            except DiskFull as e:
+                failure = e
+        if self.dist.enabled:  # doubles as the barrier after the save
+            failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
+            torch.distributed.all_reduce(failed)
+            if failed.item() and failure is None:
+                raise UserError(f"rank 0 could not save checkpoint step {prog.step} (disk full; see rank 0)")
+        if failure is not None:
+            raise failure
+
+
+@dataclass
+class _Checked:
+    """A DataLoader whose iteration raises the UserError of a batch that failed to load (packing.py)."""
+
+    loader: Any
+
+    def __iter__(self) -> Any:
+        return raise_batch_errors(self.loader)
 
 
 @dataclass
@@ -444,6 +467,23 @@ class _Meter:
     t0: float = field(default_factory=time.time)
     tokens: int = 0
     sums: dict[str, float] = field(default_factory=dict)
+
+
+def _check_checkpoint_space(cfg: TrainConfig, trainable: int) -> None:
+    """Refuse to start when the checkpoints the run keeps would not fit on the run folder's disk."""
+    from eagle3_pipeline.plan import checkpoint_bytes, checkpoints_disk
+
+    ckpt_root = Path(cfg.out_dir) / "checkpoints"
+    have = sum(f.stat().st_size for f in ckpt_root.rglob("*") if f.is_file()) if ckpt_root.is_dir() else 0
+    need = max(0, checkpoints_disk(trainable, cfg.keep_last) - have)  # what is kept already counts
+    free = storage.free_bytes(Path(cfg.out_dir))
+    if need > free:
+        raise UserError(
+            f"{ckpt_root}: {cfg.keep_last} + 2 checkpoints x "
+            f"{storage.format_bytes(checkpoint_bytes(trainable))} (fp32 weights + AdamW states of "
+            f"{trainable:,} parameters) = {storage.describe_bytes(need)} needed, "
+            f"{storage.describe_bytes(free)} free; free space, lower --keep-last, or use another --out-dir"
+        )
 
 
 def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:

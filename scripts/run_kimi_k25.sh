@@ -11,6 +11,8 @@ NUM_ROWS=${NUM_ROWS:?set NUM_ROWS to the number of conversations}
 SHARD_ROWS=${SHARD_ROWS:-2000}
 GPUS=${GPUS:-8}
 
+# What the whole run needs (disk per storage dtype, memory per GPU, steps), before any GPU work
+"$PY" 01_extract_hidden_states.py --config "$CONFIG" --plan --plan-gpus "$GPUS" --plan-rows "$NUM_ROWS"
 "$PY" 00_regenerate.py --config "$CONFIG"          # one vLLM engine over all GPUs, resumable
 for ((start = 0; start < NUM_ROWS; start += SHARD_ROWS)); do
   "$PY" 01_extract_hidden_states.py --config "$CONFIG" --start-row "$start" --end-row $((start + SHARD_ROWS))

@@ -105,3 +105,23 @@ def shard_of(hidden_states_root: Path) -> Path:
     shards = sorted(p for p in hidden_states_root.iterdir() if re.match(r"rows_\d+-\d+$", p.name))
     assert len(shards) == 1, shards
     return shards[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tiny_verifier, tmp_path_factory) -> dict[str, Path]:
+    """The 10 conversations extracted twice (float32 as computed on CPU, and float8_e4m3fn), with a
+    vocab mapping for each: {"float32": shard, "float8_e4m3fn": shard, "vocab_float32": dir, ...}."""
+    root = tmp_path_factory.mktemp("tiny_shards")
+    out: dict[str, Path] = {}
+    for dtype in ("float32", "float8_e4m3fn"):
+        run_script(
+            *extract_args(tiny_verifier, CONVERSATIONS, root / dtype),
+            "--samples-per-file", "4", "--storage-dtype", dtype,
+        )  # fmt: skip
+        out[dtype] = shard_of(root / dtype)
+        out[f"vocab_{dtype}"] = root / f"vocab_{dtype}"
+        run_script(
+            script("02_build_vocab_mapping.py"), "--data-dir", str(out[dtype]), "--out-dir",
+            str(out[f"vocab_{dtype}"]), "--draft-vocab-size", "96",
+        )  # fmt: skip
+    return out

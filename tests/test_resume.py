@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -62,41 +63,43 @@ def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path)
     assert a == b
 
 
-def test_corrupt_byte_in_shard_is_refused_by_stages_02_to_04(tiny_run, tmp_path):
+def _flip_byte_in(part: Path, tensor: str) -> None:
+    """Flip one bit in the middle of a tensor's bytes (located through the safetensors header)."""
+    raw = bytearray(part.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    a, b = json.loads(raw[8 : 8 + n])[tensor]["data_offsets"]
+    raw[8 + n + (a + b) // 2] ^= 0x01
+    part.write_bytes(bytes(raw))
+
+
+def test_corrupt_byte_in_shard_is_refused_when_read_naming_the_file(tiny_run, tmp_path):
+    """Stage starts check only markers, manifests, sizes and headers; the bytes are hashed when read.
+
+    A flipped bit in the hidden states passes stages 02 and 03 (they never read the states) and stops
+    04 at the batch that reads that sample (in a DataLoader worker), with one line naming the file and
+    the sample; a flipped bit in the token ids stops 02, which reads them.
+    """
     shard = tmp_path / "hs" / shard_of(tiny_run / "hidden_states").name
     shutil.copytree(shard_of(tiny_run / "hidden_states"), shard)
     part = shard / "part-00001.safetensors"
-    data = bytearray(part.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    part.write_bytes(bytes(data))
-    commands = {
-        "02": [
-            script("02_build_vocab_mapping.py"),
-            "--data-dir",
-            str(shard),
-            "--out-dir",
-            str(tmp_path / "v"),
-            "--draft-vocab-size",
-            "64",
-        ],
-        "03": [script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s")],
-        "04": [
-            script("04_train.py"),
-            "--config",
-            str(tiny_run / "tiny.toml"),
-            "--data-dir",
-            str(shard),
-            "--out-dir",
-            str(tmp_path / "t"),
-            "--max-steps",
-            "1",
-        ],
-    }
-    for stage, cmd in commands.items():
-        proc = run_script(*cmd, check=False)
-        assert proc.returncode == 2, (stage, proc.stderr[-1500:])
-        assert str(part) in proc.stderr and "sha256" in proc.stderr, (stage, proc.stderr[-1500:])
-        assert "Traceback" not in proc.stderr
+    _flip_byte_in(part, "aux_hidden_states")
+    vocab = [script("02_build_vocab_mapping.py"), "--data-dir", str(shard), "--draft-vocab-size", "64"]
+    run_script(*vocab, "--out-dir", str(tmp_path / "v"))
+    run_script(script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(tmp_path / "s"))
+    train = [
+        script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--data-dir", str(shard),
+        "--out-dir", str(tmp_path / "t"), "--epochs", "1", "--num-workers", "1",
+    ]  # fmt: skip
+    proc = run_script(*train, check=False)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    assert f"error: {part}: sha256 of sample" in proc.stderr, proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr and "DataLoader worker" not in proc.stderr
+
+    shutil.copy(shard_of(tiny_run / "hidden_states") / part.name, part)
+    _flip_byte_in(part, "input_ids")
+    proc = run_script(*vocab, "--out-dir", str(tmp_path / "v2"), check=False)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    assert str(part) in proc.stderr and "sha256" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_truncated_part_file_is_refused_naming_it(tiny_run, tmp_path):

@@ -1,0 +1,200 @@
+"""--plan: the numbers a run needs, from config.json alone, checked against hand computation; and real
+runs that would not fit on the disk refuse to start, with the numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+
+import pytest
+from conftest import CONVERSATIONS, REPO, run_script, script
+
+KIMI = REPO / "configs" / "kimi_k25.toml"
+H, V, VD = 7168, 163840, 32000  # Kimi-K2.5 hidden, vocab (contract section 6); draft vocab (kimi_k25.toml)
+
+
+@pytest.fixture
+def kimi_config_only(tmp_path):
+    """A Kimi-K2.5-shaped verifier folder holding config.json only (contract section 6): no weights."""
+    d = tmp_path / "kimi-k2.5"
+    d.mkdir()
+    text = {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": H,
+        "num_hidden_layers": 61, "num_attention_heads": 64, "vocab_size": V, "rms_norm_eps": 1e-5,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "rope_theta": 50000, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "yarn", "factor": 64, "original_max_position_embeddings": 4096},
+    }  # fmt: skip
+    cfg = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+# The draft by hand (contract section 2): fc 7168 x 21504, q/k/v 8192 x 14336, o 7168 x 8192,
+# gate/up/down 18432 x 7168, four RMSNorm weights of 7168 (input, hidden, post-attention, final).
+TRAINABLE = 7168 * 21504 + 3 * 8192 * 14336 + 7168 * 8192 + 3 * 18432 * 7168 + 4 * 7168
+FROZEN = V * H + 2 * VD * H + H  # embed_tokens, lm_head (frozen by default), verifier_lm_head, verifier_norm
+
+
+def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_script(
+        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(kimi_config_only),
+        "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second", "200000",
+        "--plan-json", str(out),
+    )  # fmt: skip
+    p = json.loads(out.read_text())
+    assert TRAINABLE == 961_572_864
+    assert p["draft"]["trainable_parameters"] == TRAINABLE
+    assert p["draft"]["total_parameters"] == TRAINABLE + FROZEN
+    assert p["aux_layer_ids"] == [2, 30, 58]
+    assert p["draft"]["shapes"]["layers.0.self_attn.q_proj.weight"] == [8192, 14336]
+    assert p["bytes_per_token"] == {"float32": 114_688, "bfloat16": 4 * 7168 * 2, "float8_e4m3fn": 28_688}
+    assert p["bytes_per_token"]["bfloat16"] == 57_344
+    tokens = 600_000 * 2000
+    assert p["disk"]["bfloat16"] == tokens * (57_344 + 5)  # + input_ids int32 and loss_mask uint8
+    assert p["disk"]["float8_e4m3fn"] == tokens * (28_688 + 5)
+    m = p["memory_per_gpu"]
+    assert (m["gradients"], m["ddp_buckets"], m["adamw_states"]) == (
+        4 * TRAINABLE,
+        4 * TRAINABLE,
+        8 * TRAINABLE,
+    )
+    assert 0 <= m["weights"] - 4 * (TRAINABLE + FROZEN) - (VD * 8 + V) < 1024  # + d2t int64, t2d bool, rope
+    T = 16384  # batch_tokens of kimi_k25.toml (ttt_steps 3)
+    # sdpa: additive bf16 masks [T, (s+1)T] kept for backward at each step + the last boolean one
+    assert m["attention_mask_by_impl"]["sdpa"] == 2 * T * T * (1 + 2 + 3) + T * 3 * T
+    assert m["attention_mask_by_impl"]["flex"] < 2**21  # block indices only
+    assert m["mask_impl"] == "sdpa" and m["total"] == m["total_by_impl"]["sdpa"]
+    # steps: 1% held out by stage 03, 16384 // 2000 = 8 rows per micro-batch, 8 GPUs, 10 epochs
+    micro = math.ceil(600_000 * 0.99 / 8)
+    assert p["steps"] == {
+        "micro_batches_per_epoch": micro,
+        "steps_per_epoch": micro // 8,
+        "total_steps": micro // 8 * 10,
+    }
+    assert p["seconds"] == pytest.approx(tokens * 0.99 * 10 / 200_000)
+    assert "trainable 961,572,864" in proc.stdout and "57,344 B/token" in proc.stdout
+
+
+def test_extract_plan_runs_from_config_json_alone(kimi_config_only, tmp_path):
+    out = tmp_path / "plan.json"
+    base = [script("01_extract_hidden_states.py"), "--config", str(KIMI), "--plan", "--verifier-path",
+            str(kimi_config_only), "--data-path", str(CONVERSATIONS), "--plan-json", str(out)]  # fmt: skip
+    proc = run_script(*base)
+    p = json.loads(out.read_text())
+    assert p["tokens"]["num_rows"] == 10 and p["tokens"]["total"] is None  # no tokenizer next to config.json
+    assert "--plan-tokens-per-row" in p["tokens"]["source"] and "aux layer ids [2, 30, 58]" in proc.stdout
+    run_script(*base, "--plan-tokens-per-row", "3000", "--storage-dtype", "float8_e4m3fn")
+    p = json.loads(out.read_text())
+    assert p["storage_dtype"] == "float8_e4m3fn" and p["disk"]["float8_e4m3fn"] == 10 * 3000 * (28_688 + 5)
+    assert p["draft"]["trainable_parameters"] == TRAINABLE
+
+
+def test_extract_plan_measures_the_tokens_the_extraction_writes(tiny_verifier, tiny_shards, tmp_path):
+    out = tmp_path / "plan.json"
+    run_script(
+        script("01_extract_hidden_states.py"), "--config", str(REPO / "configs" / "tiny.toml"), "--plan",
+        "--verifier-path", str(tiny_verifier), "--data-path", str(CONVERSATIONS), "--plan-json", str(out),
+    )  # fmt: skip
+    p = json.loads(out.read_text())
+    meta = json.loads((tiny_shards["float32"] / "meta.json").read_text())
+    assert p["tokens"]["total"] == meta["num_tokens"] and p["tokens"]["num_rows"] == meta["num_rows"]
+    assert p["disk"]["float32"] == meta["num_tokens"] * (4 * 256 * 4 + 5)
+
+
+def test_train_plan_counts_the_steps_training_runs(tiny_shards, tmp_path):
+    args = [
+        script("04_train.py"), "--config", str(REPO / "configs" / "tiny.toml"),
+        "--data-dir", str(tiny_shards["float32"]), "--split-dir", "", "--val-ratio", "0.2",
+        "--vocab-mapping-dir", str(tiny_shards["vocab_float32"]), "--out-dir", str(tmp_path / "t"),
+    ]  # fmt: skip
+    run_script(*args, "--plan", "--plan-gpus", "1", "--plan-json", str(tmp_path / "plan.json"))
+    assert not (tmp_path / "t").exists()  # --plan runs nothing
+    run_script(*args, "--max-steps", "1")
+    planned = json.loads((tmp_path / "plan.json").read_text())["steps"]
+    trained = json.loads((tmp_path / "t" / "meta.json").read_text())["plan"]
+    assert planned["steps_per_epoch"] == trained["steps_per_epoch"]
+    assert planned["total_steps"] == trained["steps_per_epoch"] * 40  # tiny.toml: 40 epochs
+
+
+def test_runs_that_would_not_fit_refuse_to_start_with_the_numbers(
+    tiny_verifier, tiny_shards, tmp_path, monkeypatch
+):
+    from eagle3_pipeline import extract, storage, train
+    from eagle3_pipeline.config import ExtractConfig, TrainConfig
+    from eagle3_pipeline.errors import UserError
+
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
+    cfg = ExtractConfig(
+        verifier_path=str(tiny_verifier), data_path=str(CONVERSATIONS), out_dir=str(tmp_path / "hs")
+    )
+    with pytest.raises(
+        UserError,
+        match=r"rows_00000000-00000010: 10 rows x \d+ tokens/row .* needed, 1.00 KB "
+        r"\(1,000 bytes\) free",
+    ):
+        extract.run(cfg)
+    assert not list((tmp_path / "hs").rglob("part-*"))
+    section = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())["train"]
+    tcfg = TrainConfig(**{
+        **section, "data_dir": [str(tiny_shards["float32"])], "split_dir": None,
+        "vocab_mapping_dir": str(tiny_shards["vocab_float32"]), "out_dir": str(tmp_path / "t"),
+    })  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"checkpoints: 3 \+ 2 checkpoints x .* needed, "
+        r"1.00 KB \(1,000 bytes\) free",
+    ):
+        train.run(tcfg)
+    assert not (tmp_path / "t" / "checkpoints").exists()
+
+
+def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backward():
+    """The plan's activations + sdpa mask against the bytes autograd really keeps (fp32, CPU, sdpa):
+    every tensor saved for backward during the TTT forward, counted once per storage, weights excluded.
+    Measured 1.03x the estimate at T=1024 (1.06x at 256); a formula missing the growing mask or the
+    K/V cache would be off by more than the 15% allowed."""
+    import torch
+
+    from eagle3_pipeline.config import TrainConfig
+    from eagle3_pipeline.draft import DraftSpec, build_draft, trainable_names
+    from eagle3_pipeline.plan import draft_report, memory_per_gpu
+    from eagle3_pipeline.train_metrics import forward
+
+    spec = DraftSpec(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=128, intermediate_size=512,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096, vocab_size=320,
+        draft_vocab_size=96, aux_layer_ids=(2, 4, 5), norm_before_residual=False,
+    )  # fmt: skip
+    T, S = 1024, 3
+    torch.manual_seed(0)
+    model = build_draft(spec, "sdpa")
+    names = set(trainable_names(model, False))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = {
+        "hidden_states": torch.randn(1, T, 3 * 256), "input_ids": torch.randint(0, 320, (1, T)),
+        "document_ids": torch.zeros(1, T, dtype=torch.long), "loss_mask": torch.ones(1, T, dtype=torch.bool),
+        "position_ids": torch.arange(T)[None], "verifier_last": torch.randn(1, T, 256),
+    }  # fmt: skip
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        forward(model, batch, S, 1.0, torch.device("cpu"), None)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(v for k, v in saved.items() if k not in weights)
+    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32")
+    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 1, "sdpa")
+    assert 0.9 <= measured / (m["activations"] + m["attention_mask"]) <= 1.15, (measured, m)
+    assert measured > 1.15 * m["activations"]  # the mask is a real part of it at this T
