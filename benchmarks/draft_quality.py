@@ -240,14 +240,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         from eagle3_pipeline.vllm_engine import WorkerSession
 
         with WorkerSession(log_path=work / "vllm_worker.log") as session:
+            base = {"verifier": str(work / "verifier"), "prompts": prompts, "max_new_tokens": a.max_new_tokens}
+            plain = session.request({**base, "draft": None, "num_speculative_tokens": 0})
             for row in rows:
                 if row.get("ablation"):
                     continue
-                res = session.request({"verifier": str(work / "verifier"), "draft": str(drafts[f"{row['recipe']}/{row['data']}"]),
-                                       "prompts": prompts, "max_new_tokens": a.max_new_tokens,
-                                       "num_speculative_tokens": K})  # fmt: skip
+                draft = str(drafts[f"{row['recipe']}/{row['data']}"])
+                res = session.request({**base, "draft": draft, "num_speculative_tokens": K})
                 row["vllm"] = {k: v for k, v in res.items() if k != "outputs"}
-                row["lossless"] = res["outputs"] == row["greedy"]
+                # lossless: the speculative output is the verifier's own greedy output in the same engine
+                row["lossless"] = res["outputs"] == plain["outputs"]
+                row["vllm_greedy_equals_sim_greedy"] = sum(
+                    x == y for x, y in zip(res["outputs"], row["greedy"])
+                ) / len(prompts)
     for row in rows:
         row.pop("greedy")
     report = {

