@@ -9,7 +9,7 @@ Its losses come fused (Triton kernels, losses/fused.py, imported lazily by losse
 (train/config/schema.py) and `conditional_torch_compile` (models/utils.py) compiles
 Eagle3DraftModel.forward at import whenever CUDA is available.
 
-`auto` here: flex + fused + compile on CUDA (fused only where Triton imports), sdpa + eager + no
+`auto` here: flex + fused + compile on CUDA (flex is only fused when compiled) (fused only where Triton imports), sdpa + eager + no
 compile on CPU, where flex has no backward ("FlexAttention does not support backward on CPU",
 torch/nn/attention/flex_attention.py) and the existing CPU behaviour stays bit for bit.
 
@@ -96,6 +96,10 @@ def resolve(
             "loss_impl fused: speculators' fused losses are Triton kernels and need CUDA and Triton"
         )
     compiled = compile == "on" or (compile == "auto" and cuda)
+    if attn == "flex" and cuda and not compiled:
+        # uncompiled, flex_attention runs torch's reference path, which materialises the [H, T, KV] scores
+        # (fp32: 256 GiB at the Kimi row); speculators gets the fused kernel from compiling the forward
+        raise UserError("attn_impl flex needs compile on (auto) on CUDA; with compile off use sdpa")
     buckets: tuple[int, ...] = ()
     if compiled:
         top = _round_up(max_row_tokens, FLEX_BLOCK)

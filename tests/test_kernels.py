@@ -5,6 +5,7 @@ the sizes of the tensors speculators builds, and a run records its choice in met
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -219,9 +220,12 @@ def test_auto_on_cuda_is_flex_fused_compiled_where_triton_is(monkeypatch):
     assert k.length_buckets == (4096, 8192, 12288, 16384)
     assert kernels.padded_length(9000, k) == 12288 and kernels.padded_length(17000, k) == 17024
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
-    assert kernels.resolve("auto", "auto", "off", cuda, 16384).loss_impl == "eager"
+    assert kernels.resolve("sdpa", "auto", "off", cuda, 16384).loss_impl == "eager"
     with pytest.raises(UserError, match="Triton"):
         kernels.resolve("auto", "fused", "auto", cuda, 16384)
+    with pytest.raises(UserError, match="flex needs compile"):  # uncompiled flex materialises all scores
+        kernels.resolve("flex", "eager", "off", cuda, 16384)
+    assert kernels.resolve("sdpa", "eager", "off", cuda, 16384).pad_multiple == 1
 
 
 def test_cpu_refuses_what_cannot_train_there():
@@ -284,3 +288,48 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tiny_run, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and "no backward on CPU" in proc.stderr, proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "t").exists()
+
+
+def test_mfu_counts_exactly_the_pairs_speculators_mask_allows():
+    import importlib.util
+
+    from conftest import REPO
+    from speculators.models.eagle3.attention import (
+        create_combined_mask_mod,
+        extend_dense_mask_for_draft_tokens,
+    )
+    from torch.nn.attention.flex_attention import create_mask
+
+    spec = importlib.util.spec_from_file_location("train_kernels", REPO / "benchmarks" / "train_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["train_kernels"] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    lengths = bench.doc_lengths(bench.TINY)
+    assert sum(lengths) == bench.TINY.batch_tokens and len(lengths) > 2
+    t = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = create_mask(create_combined_mask_mod(doc, t), B=None, H=None, Q_LEN=t, KV_LEN=t, device="cpu")
+    allowed = 0
+    for _ in range(TTT):
+        allowed += int(mask.sum())
+        mask = extend_dense_mask_for_draft_tokens(mask, t)
+    assert bench.attended_pairs(lengths, TTT) == allowed
+
+
+def test_train_kernels_benchmark_writes_its_rows_and_the_speculators_ratio(tmp_path):
+    from conftest import run_script
+
+    out = tmp_path / "bench.json"
+    run_script(
+        "benchmarks/train_kernels.py", "--tiny", "--warmup", "0", "--steps", "1", "--out", str(out),
+        "--only", "sdpa+eager", "speculators Trainer (sdpa+eager)", timeout=600,
+    )  # fmt: skip
+    res = json.loads(out.read_text())
+    rows = {r["row"]: r for r in res["rows"]}
+    assert set(rows) == {"sdpa+eager", "speculators Trainer (sdpa+eager)"}
+    assert all("error" not in r and r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["sdpa+eager"]["speedup_vs_sdpa_eager"] == 1.0
+    ratio = rows["sdpa+eager"]["step_s"] / rows["speculators Trainer (sdpa+eager)"]["step_s"]
+    assert res["project_vs_speculators_step_ratio"] == pytest.approx(ratio)
+    assert res["machine"]["speculators"] == "0.9.0" and res["machine"]["threads"] >= 1
+    assert res["step_flops"] > 0 and res["attention_extra_gib"]["sdpa"] > res["attention_extra_gib"]["flex"]
