@@ -9,9 +9,10 @@ Its losses come fused (Triton kernels, losses/fused.py, imported lazily by losse
 (train/config/schema.py) and `conditional_torch_compile` (models/utils.py) compiles
 Eagle3DraftModel.forward at import whenever CUDA is available.
 
-`auto` here: flex + fused + compile on CUDA (flex is only fused when compiled) (fused only where Triton imports), sdpa + eager + no
-compile on CPU, where flex has no backward ("FlexAttention does not support backward on CPU",
-torch/nn/attention/flex_attention.py) and the existing CPU behaviour stays bit for bit.
+`auto` here: flex + fused + compile on CUDA (fused only where Triton imports; flex only becomes a fused
+kernel when compiled), sdpa + eager + no compile on CPU, where flex has no backward ("FlexAttention does
+not support backward on CPU", torch/nn/attention/flex_attention.py) and the CPU behaviour stays bit for
+bit what it was.
 
 Two facts the packed batches of this project need (they vary in length, speculators' own collate pads
 every batch to one fixed length, train/data.py CollateFn):
