@@ -9,6 +9,9 @@ Output:  <out-dir>/checkpoints/step_NNNNNN/ (complete ones only; the last --keep
 The draft is speculators' Eagle3DraftModel with an explicit Llama decoder config (head_dim 128 for
 Kimi, never inherited from the verifier). Loss: KL to the verifier's distribution over the draft vocab.
 Validation: acc/cond accuracy per TTT step and the simulated acceptance length, also before training.
+Kernels (--attn-impl, --loss-impl, --compile; eagle3_pipeline/kernels.py): auto is flex attention, the
+fused Triton loss and a compiled forward on CUDA, sdpa + eager loss uncompiled on CPU; meta.json records
+the choice under "kernels".
 Safe to interrupt: SIGTERM/SIGINT save a checkpoint and exit 130; rerunning the same command resumes
 from the latest complete checkpoint with model, optimizer, scheduler, RNG and data position restored
 (bitwise identical to an uninterrupted run on CPU). --overwrite starts over. A full disk while saving a

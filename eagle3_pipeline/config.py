@@ -167,6 +167,19 @@ class TrainConfig:
     num_workers: int = _f(0, "DataLoader worker processes (0: load in the training process).")
     seed: int = _f(0, "Seed for initialisation, data order and split.")
     dtype: str = _f("auto", "auto (bfloat16 autocast on CUDA, float32 on CPU), bfloat16, float32.")
+    attn_impl: str = _f(
+        "auto",
+        "Draft attention: auto (flex on CUDA, sdpa on CPU), flex (speculators' block-sparse "
+        "simple_flex_attention; no backward on CPU), sdpa (dense mask), eager (dense mask, scores kept).",
+    )
+    loss_impl: str = _f(
+        "auto", "KL loss: auto (fused where CUDA and Triton are present, else eager), fused (Triton), eager."
+    )
+    compile: str = _f(
+        "auto",
+        "torch.compile of the draft forward: auto (on on CUDA, off on CPU), on (rows padded to 4 length "
+        "buckets: a few static shapes), off. See eagle3_pipeline/kernels.py.",
+    )
     num_attention_heads: int = _f(64, "Draft attention heads.")
     num_key_value_heads: int = _f(64, "Draft key/value heads.")
     head_dim: int = _f(128, "Draft head dim, written explicitly to config.json (never hidden/heads).")

@@ -4,7 +4,8 @@ A run is set up in pieces, each readable on its own: the data (`open_data`), the
 (`draft_spec`), the output folder and its resume check (`prepare_run_dir`), the model
 (`build_model`), the optimizer and the scheduler sized from the run's length (`build_optimizer`,
 schedule.py), the resume (`restore`), then the step loop (`train_loop`). Packing lives in packing.py,
-the loss and validation metrics in train_metrics.py, torchrun plumbing in distributed.py.
+the loss and validation metrics in train_metrics.py, torchrun plumbing in distributed.py, the choice
+of attention, loss and compile for the device in kernels.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
 `ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import checkpoint, schedule, storage
+from eagle3_pipeline import checkpoint, kernels, schedule, storage
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
@@ -136,17 +137,33 @@ def prepare_run_dir(cfg: TrainConfig, run_meta: dict[str, Any], dist: Dist) -> P
     return resume_from
 
 
+def resolve_kernels(cfg: TrainConfig, device: torch.device) -> kernels.Kernels:
+    """attn_impl, loss_impl and compile for this device (kernels.py); a packed row holds at most
+    max(batch_tokens, max_seq_len) tokens (one over-long sample alone)."""
+    return kernels.resolve(
+        cfg.attn_impl, cfg.loss_impl, cfg.compile, device, max(cfg.batch_tokens, cfg.max_seq_len)
+    )
+
+
 def build_model(
-    cfg: TrainConfig, spec: DraftSpec, data: RunData, verifier_path: Path, device: torch.device
+    cfg: TrainConfig,
+    spec: DraftSpec,
+    data: RunData,
+    verifier_path: Path,
+    device: torch.device,
+    kern: kernels.Kernels,
 ) -> tuple[Any, list[str]]:
-    """The draft with the verifier's embedding, teacher head/norm and draft lm_head rows attached."""
-    model = build_draft(spec, attn_impl="sdpa")
+    """The draft with the verifier's embedding, teacher head/norm and draft lm_head rows attached,
+    built for the resolved attention and with its forward compiled or not (kernels.set_compile)."""
+    model = build_draft(spec, attn_impl=kern.hf_attn_impl)
     tie = data.shard_set.meta["verifier"].get("tie_word_embeddings", False)
     attach_verifier_tensors(model, load_verifier_tensors(verifier_path, tie), data.t2d, data.d2t)
     names = trainable_names(model, cfg.train_lm_head)
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
-    return model.to(device), names
+    model = model.to(device)
+    kernels.set_compile(model, kern)
+    return model, names
 
 
 def plan_run(cfg: TrainConfig, data: RunData, dist: Dist) -> Plan:
@@ -198,6 +215,7 @@ def run(cfg: TrainConfig) -> int:
     spec = draft_spec(cfg, data)
     verifier_path = Path(cfg.verifier_path or data.shard_set.meta["verifier"]["path"])
     plan = plan_run(cfg, data, dist)
+    kern = resolve_kernels(cfg, device)
     run_meta = {
         "stage": "04_train",
         "draft": spec.to_json(),
@@ -212,9 +230,17 @@ def run(cfg: TrainConfig) -> int:
         "ttt_steps": cfg.ttt_steps,
         "recipe": recipe_of(cfg),
         "plan": vars(plan),
+        "kernels": kern.to_json(),
     }
     resume_from = prepare_run_dir(cfg, run_meta, dist)
-    model, names = build_model(cfg, spec, data, verifier_path, device)
+    model, names = build_model(cfg, spec, data, verifier_path, device, kern)
+    log.info(
+        "kernels | attention %s | loss %s | compile %s | rows padded to %s",
+        kern.attn_impl,
+        kern.loss_impl,
+        "on" if kern.compile else "off",
+        kern.length_buckets or kern.pad_multiple,
+    )
     ddp_model = model
     if dist.enabled:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
@@ -243,7 +269,9 @@ def run(cfg: TrainConfig) -> int:
         cfg.lr,
         cfg.lr_schedule,
     )
-    loop = TrainLoop(cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data)
+    loop = TrainLoop(
+        cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data, kern
+    )
     code = loop.run(prog)
     if code:
         return code
@@ -278,6 +306,7 @@ class TrainLoop:
     optimizer: Any
     scheduler: Any
     data: RunData
+    kern: kernels.Kernels
 
     def __post_init__(self) -> None:
         self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
@@ -307,6 +336,7 @@ class TrainLoop:
             self.device,
             self.autocast_dtype,
             self.dist,
+            self.kern,
             self.cfg.served_k,
         )
 
@@ -337,6 +367,7 @@ class TrainLoop:
                 cfg.ttt_step_loss_decay,
                 self.device,
                 self.autocast_dtype,
+                self.kern,
             )
             (loss / cfg.grad_accum).backward()
             accumulate(sums, metrics)

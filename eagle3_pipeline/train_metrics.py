@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline import kernels
 from eagle3_pipeline.distributed import Dist, all_reduce_sums
 
 log = logging.getLogger("eagle3.train")
@@ -24,11 +25,16 @@ def forward(
     decay: float,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
+    kern: kernels.Kernels,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, KL to the verifier."""
-    from speculators.losses.eager import kl_div_loss
+    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, KL to the verifier.
 
+    The row is padded first where the kernels ask for it (flex: a multiple of its block; compile: a
+    length bucket; kernels.py says why); padding carries loss mask 0 and document id -1.
+    """
+    n = batch["input_ids"].shape[1]
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    b = kernels.pad_batch(b, kernels.padded_length(n, kern))
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         _, loss, metrics = model(
             hidden_states=b["hidden_states"],
@@ -39,7 +45,7 @@ def forward(
             verifier_last_hidden_states=b["verifier_last"],
             ttt_steps=ttt_steps,
             ttt_step_loss_decay=decay,
-            loss_config={"kl_div": (kl_div_loss, 1.0)},
+            loss_config=kernels.loss_config(kern),
         )
     return loss, metrics
 
@@ -74,12 +80,13 @@ def validate(
     device: torch.device,
     autocast_dtype: Any,
     dist: Dist,
+    kern: kernels.Kernels,
     served_k: int | None = None,
 ) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     for batch in loader:
-        _, metrics = forward(model, batch, ttt_steps, decay, device, autocast_dtype)
+        _, metrics = forward(model, batch, ttt_steps, decay, device, autocast_dtype, kern)
         accumulate(sums, metrics)
     model.train()
     return summarize(all_reduce_sums(sums, dist, device), ttt_steps, served_k)
