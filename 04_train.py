@@ -9,7 +9,7 @@ Output:  <out-dir>/checkpoints/step_NNNNNN/ (complete ones only; the last --keep
 The draft is speculators' Eagle3DraftModel with an explicit Llama decoder config (head_dim 128 for
 Kimi, never inherited from the verifier). Loss: KL to the verifier's distribution over the draft vocab.
 Validation: acc/cond accuracy per TTT step and the simulated acceptance length, also before training.
-Kernels (--attn-impl, --loss-impl, --compile; eagle3_pipeline/kernels.py): auto is flex attention, the
+Kernels (--attn-impl, --loss-impl, --compile; eagle3_pipeline/kernel_policy.py): auto is flex attention, the
 fused Triton loss and a compiled forward on CUDA, sdpa + eager loss uncompiled on CPU; meta.json records
 the choice under "kernels".
 Safe to interrupt: SIGTERM/SIGINT save a checkpoint and exit 130; rerunning the same command resumes

@@ -88,13 +88,18 @@ def build_verifier(work: Path, parts: dict, quick: bool, threads: int) -> dict[s
     return json.loads(stats_file.read_text())
 
 
-def prepare(work: Path, name: str, data_path: Path, log: Path, threads: int, draft_vocab: int) -> Path:
+def prepare(
+    work: Path, name: str, data_path: Path, log: Path, threads: int, draft_vocab: int, extra: tuple = ()
+) -> Path:
     """Stages 01-03 on one data set; returns its folder."""
     root = work / name
     verifier = str(work / "verifier")
-    common = ["--max-seq-len", "1024"]
+    layers = json.loads((work / "verifier" / "config.json").read_text())["num_hidden_layers"]
+    # low, middle, high; vLLM's default (2, N//2, N-3) needs N >= 6 layers
+    common = ["--max-seq-len", "1024", "--aux-layer-ids", "1", str(layers // 2), str(layers - 1)]
     sh(["01_extract_hidden_states.py", "--verifier-path", verifier, "--data-path", str(data_path),
-        "--out-dir", str(root / "hidden_states"), "--dtype", "float32", "--samples-per-file", "64", *common],
+        "--out-dir", str(root / "hidden_states"), "--dtype", "float32", "--samples-per-file", "64", *common,
+        *extra],
        log, threads)  # fmt: skip
     sh(["02_build_vocab_mapping.py", "--data-dir", str(root / "hidden_states"), "--out-dir", str(root / "vocab"),
         "--draft-vocab-size", str(draft_vocab)], log, threads)  # fmt: skip
@@ -179,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ablations", action="store_true", help="also the one-factor ablations (simulated)")
-    p.add_argument("--no-vllm", action="store_true", help="simulation only (no vLLM environment)")
+    p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
+    p.add_argument("--no-vllm", action="store_true", help="no vLLM at all: regenerate with transformers, simulate")
+    p.add_argument("--sim-only", action="store_true", help="regenerate with vLLM, evaluate by simulation only")
     a = p.parse_args(argv)
     import torch
 
@@ -219,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         drafts[f"project/{ds}"] = export(project_train(root, "project", steps, [], log, a.threads, hidden), log,
                                          a.threads)  # fmt: skip
         rows += [{"recipe": r, "data": ds, "steps": steps} for r in ("speculators", "project")]
+    if a.fp8:
+        regen = work / "data/regenerated/conversations.jsonl"
+        root = prepare(work, "regenerated_fp8", regen, log, a.threads, draft_vocab, ("--storage-dtype", "float8_e4m3fn"))
+        steps = planned_steps(root, a.epochs, 1024)
+        drafts["project fp8 shards/regenerated"] = export(project_train(root, "project", steps, [], log, a.threads,
+                                                                        hidden), log, a.threads)  # fmt: skip
+        rows.append({"recipe": "project fp8 shards", "data": "regenerated", "steps": steps, "ablation": True})
     if a.ablations:
         root = datasets["regenerated"]
         steps = planned_steps(root, a.epochs, 1024)
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         row["sim"], greedy = simulate(work, drafts[key], prompts, traces)
         row["greedy"] = greedy
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
-    if not a.no_vllm:
+    if not (a.no_vllm or a.sim_only):
         from eagle3_pipeline.vllm_engine import WorkerSession
 
         with WorkerSession(log_path=work / "vllm_worker.log") as session:

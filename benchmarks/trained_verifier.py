@@ -138,7 +138,7 @@ def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
 
 
 def verifier_config(vocab_size: int, tok: object, quick: bool) -> dict:
-    hidden, layers = (192, 3) if quick else (256, 4)
+    hidden, layers = (192, 4) if quick else (256, 4)
     return dict(
         architectures=["DeepseekV3ForCausalLM"],
         model_type="deepseek_v3",
@@ -198,9 +198,10 @@ def bigram_accuracy(train_ids: list[int], test_ids: list[int]) -> float:
 
 
 def train(
-    out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, threads: int, seed: int = 0
-) -> dict:
-    """Train the verifier on `rows` (time- and step-bounded) and save it; returns its statistics."""
+    out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, threads: int, seed: int = 0,
+    resume_phase1: bool = False,
+) -> dict:  # fmt: skip
+    """Train the verifier on `rows` for fixed steps and save it; returns its statistics."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -210,7 +211,8 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = [m["content"] for r in rows for m in r["messages"]]
     vocab_size = 2048
-    build_tokenizer(texts, vocab_size, out_dir)
+    if not (resume_phase1 and (out_dir / "tokenizer.json").is_file()):
+        build_tokenizer(texts, vocab_size, out_dir)
     tok = AutoTokenizer.from_pretrained(str(out_dir))
     cfg_dict = verifier_config(len(tok), tok, quick)
     config = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
@@ -218,35 +220,39 @@ def train(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     train_ids = torch.tensor(_token_stream(tok, rows))
     test_ids = _token_stream(tok, heldout)
-    seq_len, batch, peak_lr = 256, 8, 3e-3
-    # A fixed number of steps (the same verifier on every machine); ~1.5-3 s each on 2 cores here.
-    max_steps = 150 if quick else 500
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.1, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(seed)
-    t0, step, losses = time.time(), 0, []
+    seq_len, batch = 256, 8
+    # Fixed phases of steps (the same verifier on every machine; ~1.2-3 s a step on 2 cores here), each
+    # with a fresh AdamW, a 50-step warm-up and a cosine to a tenth, its data order seeded by its index.
+    phases = [(150, 3e-3)] if quick else [(500, 3e-3), (700, 1.5e-3)]
+    t0, losses = time.time(), []
+    first = 0
+    if resume_phase1 and (out_dir / "model.safetensors").is_file():  # continue a finished first phase
+        from safetensors.torch import load_file
+
+        model.load_state_dict(_fused_layout(load_file(str(out_dir / "model.safetensors"))))
+        first = 1
     model.train()
-    while step < max_steps:
-        lr = (
-            peak_lr
-            * min(1.0, (step + 1) / 50)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max_steps)))
-        )
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=g)
-        x = torch.stack([train_ids[s : s + seq_len] for s in starts.tolist()])
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        step += 1
-        if step % 50 == 0:
-            print(
-                f"verifier step {step} | loss {sum(losses[-50:]) / 50:.3f} | {time.time() - t0:.0f}s",
-                flush=True,
-            )
+    for n, (steps, peak_lr) in enumerate(phases):
+        if n < first:
+            continue
+        opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.1, betas=(0.9, 0.95))
+        g = torch.Generator().manual_seed(seed + n)
+        for step in range(steps):
+            lr = peak_lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=g)
+            x = torch.stack([train_ids[s : s + seq_len] for s in starts.tolist()])
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss.detach()))
+            if (step + 1) % 50 == 0:
+                print(f"verifier phase {n} step {step + 1} | loss {sum(losses[-50:]) / 50:.3f} | "
+                      f"{time.time() - t0:.0f}s", flush=True)  # fmt: skip
+    step = sum(p[0] for p in phases)
     model.eval()
     acc = _heldout_accuracy(model, test_ids, seq_len)
     stats = {
@@ -263,6 +269,27 @@ def train(
     config.save_pretrained(str(out_dir))
     (out_dir / "verifier_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
+
+
+def _fused_layout(state: dict) -> dict:
+    """checkpoint_layout's inverse: per-expert tensors back into transformers' fused parameters."""
+    import torch
+
+    out, experts = {}, {}
+    for k, v in state.items():
+        if ".mlp.experts." in k:
+            prefix, rest = k.split(".mlp.experts.")
+            e, name = rest.split(".", 1)
+            experts.setdefault(prefix, {}).setdefault(int(e), {})[name] = v
+        else:
+            out[k] = v
+    for prefix, per in experts.items():
+        ids = sorted(per)
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([per[e]["gate_proj.weight"], per[e]["up_proj.weight"]]) for e in ids]
+        )
+        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([per[e]["down_proj.weight"] for e in ids])
+    return out
 
 
 def checkpoint_layout(state: dict) -> dict:
@@ -304,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--resume-phase1", action="store_true", help="continue from a saved first phase")
     a = p.parse_args(argv)
     parts = splits(conversations())
-    stats = train(Path(a.out), parts["verifier"], parts["heldout"], a.quick, a.threads)
+    stats = train(Path(a.out), parts["verifier"], parts["heldout"], a.quick, a.threads, resume_phase1=a.resume_phase1)
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
     return 0
 

@@ -178,7 +178,7 @@ class TrainConfig:
     compile: str = _f(
         "auto",
         "torch.compile of the draft forward: auto (on on CUDA, off on CPU), on (rows padded to 4 length "
-        "buckets: a few static shapes), off. See eagle3_pipeline/kernels.py.",
+        "buckets: a few static shapes), off. See eagle3_pipeline/kernel_policy.py.",
     )
     num_attention_heads: int = _f(64, "Draft attention heads.")
     num_key_value_heads: int = _f(64, "Draft key/value heads.")

@@ -5,7 +5,7 @@ A run is set up in pieces, each readable on its own: the data (`open_data`), the
 (`build_model`), the optimizer and the scheduler sized from the run's length (`build_optimizer`,
 schedule.py), the resume (`restore`), then the step loop (`train_loop`). Packing lives in packing.py,
 the loss and validation metrics in train_metrics.py, torchrun plumbing in distributed.py, the choice
-of attention, loss and compile for the device in kernels.py (recorded in meta.json under "kernels").
+of attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
 `ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
 """
@@ -138,7 +138,7 @@ def prepare_run_dir(cfg: TrainConfig, run_meta: dict[str, Any], dist: Dist) -> P
 
 
 def resolve_kernels(cfg: TrainConfig, device: torch.device) -> kernels.Kernels:
-    """attn_impl, loss_impl and compile for this device (kernels.py); a packed row holds at most
+    """attn_impl, loss_impl and compile for this device (kernel_policy.py); a packed row holds at most
     max(batch_tokens, max_seq_len) tokens (one over-long sample alone)."""
     return kernels.resolve(
         cfg.attn_impl, cfg.loss_impl, cfg.compile, device, max(cfg.batch_tokens, cfg.max_seq_len)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import kernels
+from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.distributed import Dist, all_reduce_sums
 
 log = logging.getLogger("eagle3.train")
@@ -30,7 +30,7 @@ def forward(
     """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, KL to the verifier.
 
     The row is padded first where the kernels ask for it (flex: a multiple of its block; compile: a
-    length bucket; kernels.py says why); padding carries loss mask 0 and document id -1.
+    length bucket; kernel_policy.py says why); padding carries loss mask 0 and document id -1.
     """
     n = batch["input_ids"].shape[1]
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

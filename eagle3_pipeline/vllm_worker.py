@@ -47,6 +47,12 @@ import tempfile
 import threading
 import time
 
+# Run as a script, sys.path[0] is this file's folder, and the package's module names (config, plan,
+# samples, ...) would shadow packages that vLLM and transformers probe for (transformers imports any
+# importable `kernels`); vLLM is imported only below, after this.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
 # vLLM reads these at import time; set them before importing it.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only

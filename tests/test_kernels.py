@@ -1,4 +1,4 @@
-"""Training kernels (eagle3_pipeline/kernels.py): flex attention computes what sdpa computes on packed
+"""Training kernels (eagle3_pipeline/kernel_policy.py): flex attention computes what sdpa computes on packed
 documents at every TTT step, padding changes nothing, auto picks the CPU path, memory figures are
 the sizes of the tensors speculators builds, and a run records its choice in meta.json."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from eagle3_pipeline import kernels
+from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.draft import DraftSpec, build_draft
 from eagle3_pipeline.errors import UserError
 
