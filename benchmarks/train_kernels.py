@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_pipeline import kernels, storage  # noqa: E402
+from eagle3_pipeline import kernel_policy as kernels  # noqa: E402
+from eagle3_pipeline import storage  # noqa: E402
 from eagle3_pipeline.draft import DraftSpec, build_draft, trainable_names  # noqa: E402
 
 

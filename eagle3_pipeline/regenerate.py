@@ -28,7 +28,14 @@ from typing import Any
 from eagle3_pipeline import storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import RegenerateConfig, config_to_dict
-from eagle3_pipeline.conversations import Conversation, RowRejected, count_rows, normalize_row, read_rows, render_ids
+from eagle3_pipeline.conversations import (
+    Conversation,
+    RowRejected,
+    count_rows,
+    normalize_row,
+    read_rows,
+    render_ids,
+)
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.verifier import read_text_config
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import checkpoint, kernels, schedule, storage
+from eagle3_pipeline import checkpoint, schedule, storage
+from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
