@@ -43,7 +43,7 @@ ABLATIONS: dict[str, list[str]] = {  # one factor changed from the project's def
     "lr 3e-3": ["--lr", "3e-3"],
     "warm-up 100 steps": ["--warmup-steps", "100"],
     "linear decay": ["--lr-schedule", "linear"],
-    "norm flags on (speculators')": ["--norm-before-residual", "--norm-before-fc", "--norm-output"],
+    "norm flags off (plain EAGLE-3)": ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"],
     "head_dim 64 (speculators')": ["--head-dim", "64"],
     "ttt_steps 4": ["--ttt-steps", "4"],
     "step-loss decay 0.8": ["--ttt-step-loss-decay", "0.8"],
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ablations", action="store_true", help="also the one-factor ablations (simulated)")
+    p.add_argument("--ablation-epochs", type=int, default=1, help="epochs of each ablation run (and its baseline)")
+    p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
+    p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
     p.add_argument("--no-vllm", action="store_true", help="no vLLM at all: regenerate with transformers, simulate")
     p.add_argument("--sim-only", action="store_true", help="regenerate with vLLM, evaluate by simulation only")
@@ -223,33 +226,44 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             speculators_baseline.train(root / "hidden_states", root / "split", root / "vocab", base_dir, steps, 1024,
                                        1024)  # fmt: skip
         drafts[f"speculators/{ds}"] = export(base_dir, log, a.threads)
-        drafts[f"project/{ds}"] = export(project_train(root, "project", steps, [], log, a.threads, hidden), log,
+        drafts[f"project/{ds}"] = export(project_train(root, a.project_run, steps, [], log, a.threads, hidden), log,
                                          a.threads)  # fmt: skip
         rows += [{"recipe": r, "data": ds, "steps": steps} for r in ("speculators", "project")]
     if a.fp8:
         regen = work / "data/regenerated/conversations.jsonl"
         root = prepare(work, "regenerated_fp8", regen, log, a.threads, draft_vocab, ("--storage-dtype", "float8_e4m3fn"))
         steps = planned_steps(root, a.epochs, 1024)
-        drafts["project fp8 shards/regenerated"] = export(project_train(root, "project", steps, [], log, a.threads,
+        drafts["project fp8 shards/regenerated"] = export(project_train(root, a.project_run, steps, [], log, a.threads,
                                                                         hidden), log, a.threads)  # fmt: skip
         rows.append({"recipe": "project fp8 shards", "data": "regenerated", "steps": steps, "ablation": True})
-    if a.ablations:
+    if a.ablations:  # one factor changed at a time, shorter runs, side by side
+        from concurrent.futures import ThreadPoolExecutor
+
         root = datasets["regenerated"]
-        steps = planned_steps(root, a.epochs, 1024)
-        for name, extra in ABLATIONS.items():
-            run = "abl-" + "".join(c if c.isalnum() else "_" for c in name)
-            drafts[f"{name}/regenerated"] = export(project_train(root, run, steps, extra, log, a.threads, hidden),
-                                                   log, a.threads)  # fmt: skip
-            rows.append({"recipe": name, "data": "regenerated", "steps": steps, "ablation": True})
+        steps = planned_steps(root, a.ablation_epochs, 1024)
+        threads = max(1, a.threads // a.jobs)
+        variants = {"project (defaults)": [], **ABLATIONS}
+
+        def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
+            name, extra = item
+            run = f"abl{a.ablation_epochs}-" + "".join(c if c.isalnum() else "_" for c in name)
+            return name, export(project_train(root, run, steps, extra, log, threads, hidden), log, threads)
+
+        with ThreadPoolExecutor(a.jobs) as pool:
+            for name, draft in pool.map(one, variants.items()):
+                drafts[f"{name}/regenerated/ablation"] = draft
+                rows.append({"recipe": name, "data": "regenerated", "steps": steps, "ablation": True})
     aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"
     ]
     traces = verifier_traces(work, prompts, a.max_new_tokens, aux_ids)
     for row in rows:
-        key = f"{row['recipe']}/{row['data']}"
+        key = f"{row['recipe']}/{row['data']}" + ("/ablation" if row.get("ablation") and
+                                                    row["recipe"] != "project fp8 shards" else "")
         row["sim"], greedy = simulate(work, drafts[key], prompts, traces)
         row["greedy"] = greedy
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
+        print(f"sim | {row['recipe']} | {row['data']} | AL {row['sim']['mean_acceptance_length']:.3f}", flush=True)
     if not (a.no_vllm or a.sim_only):
         from eagle3_pipeline.vllm_engine import WorkerSession
 
@@ -259,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             for row in rows:
                 if row.get("ablation"):
                     continue
-                draft = str(drafts[f"{row['recipe']}/{row['data']}"])
+                draft = str(drafts[f"{row['recipe']}/{row['data']}"])  # headline rows only
                 res = session.request({**base, "draft": draft, "num_speculative_tokens": K})
                 row["vllm"] = {k: v for k, v in res.items() if k != "outputs"}
                 # lossless: the speculative output is the verifier's own greedy output in the same engine
@@ -280,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "seconds": round(time.time() - t_start),
     }
     _print_table(report)
-    (work / "draft_quality.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {work / 'draft_quality.json'}")
+    out = work / ("draft_quality_ablations.json" if a.ablations else "draft_quality.json")
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
     return 0
 
 

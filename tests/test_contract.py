@@ -16,8 +16,10 @@ REFERENCE = REPO.parent / "shared" / "reference" / "aq-medai-kimi-k2-eagle3.conf
 def kimi_spec():
     import tomllib
 
+    from eagle3_pipeline.config import TrainConfig
     from eagle3_pipeline.draft import DraftSpec
 
+    defaults = TrainConfig(vocab_mapping_dir="v", out_dir="o")
     train = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["train"]
     extract = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["extract"]
     vocab = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["vocab"]
@@ -33,8 +35,10 @@ def kimi_spec():
         vocab_size=163840,
         draft_vocab_size=vocab["draft_vocab_size"],
         aux_layer_ids=tuple(extract["aux_layer_ids"]),
-        norm_before_residual=False,
-    )
+        # the norm flags as the Kimi config trains them (its [train] section, else the stage defaults)
+        **{f: train.get(f, getattr(defaults, f)) for f in ("norm_before_residual", "norm_before_fc",
+                                                            "fc_norm", "norm_output")},
+    )  # fmt: skip
 
 
 def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
@@ -76,6 +80,8 @@ def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
     assert shapes["lm_head.weight"] == (32000, 7168)
     assert shapes["midlayer.mlp.down_proj.weight"] == (7168, 18432)
     assert shapes["d2t"] == (32000,) and tensors["d2t"].dtype == torch.int64
+    if spec.norm_before_fc:  # EAGLE-3.1's norm over the three concatenated aux states
+        assert shapes["input_norm.weight"] == (21504,) and config["eagle_config"]["norm_before_fc"] is True
     assert "embed_tokens.weight" not in tensors and not any(k.startswith("model.") for k in tensors)
 
 
