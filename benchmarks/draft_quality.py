@@ -43,7 +43,11 @@ ABLATIONS: dict[str, list[str]] = {  # one factor changed from the project's def
     "lr 3e-3": ["--lr", "3e-3"],
     "warm-up 100 steps": ["--warmup-steps", "100"],
     "linear decay": ["--lr-schedule", "linear"],
-    "norm flags off (plain EAGLE-3)": ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"],
+    "norm flags off (plain EAGLE-3)": [
+        "--no-norm-before-residual",
+        "--no-norm-before-fc",
+        "--no-norm-output",
+    ],
     "head_dim 64 (speculators')": ["--head-dim", "64"],
     "ttt_steps 4": ["--ttt-steps", "4"],
     "step-loss decay 0.8": ["--ttt-step-loss-decay", "0.8"],
@@ -184,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ablations", action="store_true", help="also the one-factor ablations (simulated)")
-    p.add_argument("--ablation-epochs", type=int, default=1, help="epochs of each ablation run (and its baseline)")
+    p.add_argument(
+        "--ablation-epochs", type=int, default=1, help="epochs of each ablation run (and its baseline)"
+    )
     p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
-    p.add_argument("--no-vllm", action="store_true", help="no vLLM at all: regenerate with transformers, simulate")
-    p.add_argument("--sim-only", action="store_true", help="regenerate with vLLM, evaluate by simulation only")
+    p.add_argument(
+        "--no-vllm", action="store_true", help="no vLLM at all: regenerate with transformers, simulate"
+    )
+    p.add_argument(
+        "--sim-only", action="store_true", help="regenerate with vLLM, evaluate by simulation only"
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -231,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         rows += [{"recipe": r, "data": ds, "steps": steps} for r in ("speculators", "project")]
     if a.fp8:
         regen = work / "data/regenerated/conversations.jsonl"
-        root = prepare(work, "regenerated_fp8", regen, log, a.threads, draft_vocab, ("--storage-dtype", "float8_e4m3fn"))
+        root = prepare(
+            work, "regenerated_fp8", regen, log, a.threads, draft_vocab, ("--storage-dtype", "float8_e4m3fn")
+        )
         steps = planned_steps(root, a.epochs, 1024)
         drafts["project fp8 shards/regenerated"] = export(project_train(root, a.project_run, steps, [], log, a.threads,
                                                                         hidden), log, a.threads)  # fmt: skip
@@ -258,17 +270,25 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     ]
     traces = verifier_traces(work, prompts, a.max_new_tokens, aux_ids)
     for row in rows:
-        key = f"{row['recipe']}/{row['data']}" + ("/ablation" if row.get("ablation") and
-                                                    row["recipe"] != "project fp8 shards" else "")
+        key = f"{row['recipe']}/{row['data']}" + (
+            "/ablation" if row.get("ablation") and row["recipe"] != "project fp8 shards" else ""
+        )
         row["sim"], greedy = simulate(work, drafts[key], prompts, traces)
         row["greedy"] = greedy
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
-        print(f"sim | {row['recipe']} | {row['data']} | AL {row['sim']['mean_acceptance_length']:.3f}", flush=True)
+        print(
+            f"sim | {row['recipe']} | {row['data']} | AL {row['sim']['mean_acceptance_length']:.3f}",
+            flush=True,
+        )
     if not (a.no_vllm or a.sim_only):
         from eagle3_pipeline.vllm_engine import WorkerSession
 
         with WorkerSession(log_path=work / "vllm_worker.log") as session:
-            base = {"verifier": str(work / "verifier"), "prompts": prompts, "max_new_tokens": a.max_new_tokens}
+            base = {
+                "verifier": str(work / "verifier"),
+                "prompts": prompts,
+                "max_new_tokens": a.max_new_tokens,
+            }
             plain = session.request({**base, "draft": None, "num_speculative_tokens": 0})
             for row in rows:
                 if row.get("ablation"):

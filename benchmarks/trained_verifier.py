@@ -238,7 +238,11 @@ def train(
         opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.1, betas=(0.9, 0.95))
         g = torch.Generator().manual_seed(seed + n)
         for step in range(steps):
-            lr = peak_lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            lr = (
+                peak_lr
+                * min(1.0, (step + 1) / 50)
+                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            )
             for group in opt.param_groups:
                 group["lr"] = lr
             starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=g)
@@ -265,7 +269,9 @@ def train(
         "parameters": sum(p.numel() for p in model.parameters()),
         "config": cfg_dict,
     }
-    save_file(checkpoint_layout(model.state_dict()), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        checkpoint_layout(model.state_dict()), str(out_dir / "model.safetensors"), metadata={"format": "pt"}
+    )
     config.save_pretrained(str(out_dir))
     (out_dir / "verifier_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
@@ -334,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume-phase1", action="store_true", help="continue from a saved first phase")
     a = p.parse_args(argv)
     parts = splits(conversations())
-    stats = train(Path(a.out), parts["verifier"], parts["heldout"], a.quick, a.threads, resume_phase1=a.resume_phase1)
+    stats = train(
+        Path(a.out), parts["verifier"], parts["heldout"], a.quick, a.threads, resume_phase1=a.resume_phase1
+    )
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
     return 0
 

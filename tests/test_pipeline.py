@@ -111,7 +111,9 @@ def test_exported_files_follow_the_vllm_contract(tiny_run):
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):  # stated as trained
         assert config[flag] is train_meta["draft"][flag]
     assert config["eagle_config"]["norm_before_fc"] is config["norm_before_fc"]
-    assert ("input_norm.weight" in load_file(str(tiny_run / "draft" / "model.safetensors"))) is config["norm_before_fc"]
+    assert ("input_norm.weight" in load_file(str(tiny_run / "draft" / "model.safetensors"))) is config[
+        "norm_before_fc"
+    ]
     tensors = load_file(str(tiny_run / "draft" / "model.safetensors"))
     assert not any(k.startswith("model.") or k.endswith(".bias") for k in tensors)
     assert "embed_tokens.weight" not in tensors

@@ -125,7 +125,9 @@ def test_vllm_regeneration_equals_the_hf_engines_greedy_output(llama_run, tmp_pa
             "--data-path", str(CONVERSATIONS), "--out-dir", str(tmp_path / engine), "--engine", engine,
             "--max-new-tokens", "32", "--rows-per-part", "5", timeout=1800,
         )  # fmt: skip
-        outs[engine] = [json.loads(x) for x in (tmp_path / engine / "conversations.jsonl").read_text().splitlines()]
+        outs[engine] = [
+            json.loads(x) for x in (tmp_path / engine / "conversations.jsonl").read_text().splitlines()
+        ]
         assert json.loads((tmp_path / engine / "meta.json").read_text())["engine"] == engine
     assert [r["token_samples"] for r in outs["vllm"]] == [r["token_samples"] for r in outs["hf"]]
     assert sum(len(r["token_samples"]) for r in outs["vllm"]) >= 10
