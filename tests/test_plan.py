@@ -166,6 +166,7 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
 
     from eagle3_pipeline.config import TrainConfig
     from eagle3_pipeline.draft import DraftSpec, build_draft, trainable_names
+    from eagle3_pipeline.kernel_policy import resolve
     from eagle3_pipeline.plan import draft_report, memory_per_gpu
     from eagle3_pipeline.train_metrics import forward
 
@@ -192,7 +193,8 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
         "position_ids": torch.arange(T)[None], "verifier_last": torch.randn(1, T, 256),
     }  # fmt: skip
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        forward(model, batch, S, 1.0, torch.device("cpu"), None)
+        kern = resolve("sdpa", "eager", "off", torch.device("cpu"), T)  # what the plan assumes on CPU
+        forward(model, batch, S, 1.0, torch.device("cpu"), None, kern)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(v for k, v in saved.items() if k not in weights)
     cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32")
