@@ -186,12 +186,14 @@ class TrainConfig:
     intermediate_size: int = _f(18432, "Draft MLP width.")
     rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).")
     max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.")
-    # The EAGLE-3.1 norms (on by default: +4.5% validation acceptance on the draft-quality benchmark,
-    # README "Draft quality"); vLLM >= 0.32 reads each (an older build ignores them silently).
+    # The EAGLE-3.1 norms (norm_before_residual + norm_before_fc + norm_output: +15.6% simulated acceptance
+    # on the draft-quality benchmark, README "Draft quality"); vLLM >= 0.32 reads them (older: ignored).
     norm_before_residual: bool = _f(True, "EAGLE-3 residual = hidden_norm(g) instead of g.")
     norm_before_fc: bool = _f(True, "RMSNorm over the concatenated aux states before fc (weight input_norm).")
     fc_norm: bool = _f(False, "RMSNorm over each aux state before fc (excludes --norm-before-fc).")
-    norm_output: bool = _f(True, "Feed the normed output back to the next draft step.")
+    # off by default: in the vLLM tier a draft trained with it was served identically with and without
+    # the flag by vLLM 0.32 (AL 3.870 both), so it may not reach vLLM's proposer; measure before enabling
+    norm_output: bool = _f(False, "Feed the normed output back to the next draft step.")
     loss_on_all_tokens: bool = _f(
         False, "Supervise every position against the verifier, prompts too (default: generated tokens only)."
     )
