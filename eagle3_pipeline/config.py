@@ -191,8 +191,7 @@ class TrainConfig:
     norm_before_residual: bool = _f(True, "EAGLE-3 residual = hidden_norm(g) instead of g.")
     norm_before_fc: bool = _f(True, "RMSNorm over the concatenated aux states before fc (weight input_norm).")
     fc_norm: bool = _f(False, "RMSNorm over each aux state before fc (excludes --norm-before-fc).")
-    # off by default: in the vLLM tier a draft trained with it was served identically with and without
-    # the flag by vLLM 0.32 (AL 3.870 both), so it may not reach vLLM's proposer; measure before enabling
+    # off by default until measured in vLLM on the benchmark's trained verifier (README "Draft quality")
     norm_output: bool = _f(False, "Feed the normed output back to the next draft step.")
     loss_on_all_tokens: bool = _f(
         False, "Supervise every position against the verifier, prompts too (default: generated tokens only)."

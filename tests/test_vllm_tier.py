@@ -102,7 +102,14 @@ def test_trained_draft_accepts_far_more_than_untrained_in_vllm(llama_run, prompt
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
 
 
-@pytest.mark.parametrize("fault", sorted(SABOTAGES))
+# A dropped norm flag is refused by the gate (tests/test_contract.py), but on this tiny verifier, whose
+# states have unit RMS by construction, the norms are near identity: served without the flag, vLLM
+# accepted the same (measured 3.870 vs 3.870 without norm_output, 3.556 vs 3.550 without norm_before_fc),
+# so this tier cannot show its cost; the draft-quality benchmark's trained verifier is where it shows.
+SERVED_FAULTS = [f for f in sorted(SABOTAGES) if f != "norm_flag_dropped"]
+
+
+@pytest.mark.parametrize("fault", SERVED_FAULTS)
 def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(llama_run, prompts, trained, fault, tmp_path):
     bad = SABOTAGES[fault](llama_run / "draft", tmp_path / fault)
     gate = run_script(script("05_export.py"), "--check", str(bad), check=False)
