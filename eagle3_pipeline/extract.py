@@ -107,17 +107,7 @@ def run(cfg: ExtractConfig) -> int:
         shutil.rmtree(shard)
     shard.mkdir(parents=True, exist_ok=True)
     storage.clear_tmp(shard)
-    run_file = shard / RUN_FILE
-    if run_file.exists():
-        before = storage.read_json(run_file)
-        if before != settings:
-            changed = sorted(k for k in settings if before.get(k) != settings[k])
-            raise UserError(
-                f"{shard}: a run with other settings ({', '.join(changed)}) left it unfinished; "
-                "rerun with those settings to resume, or --overwrite to start over"
-            )
-    else:
-        storage.write_json_atomic(run_file, settings)
+    storage.pin_run_settings(shard / RUN_FILE, settings)
 
     blocks = [(b, min(b + cfg.samples_per_file, end)) for b in range(start, end, cfg.samples_per_file)]
     todo = [(n, b) for n, b in enumerate(blocks) if not (shard / f"part-{n:05d}.json").exists()]

@@ -255,15 +255,7 @@ def run(cfg: RegenerateConfig) -> int:
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
                                          "rows_per_part", "data_split", "chat_template_kwargs")},
     }  # fmt: skip
-    run_file = out_dir / RUN_FILE
-    if run_file.exists() and storage.read_json(run_file) != settings:
-        before = storage.read_json(run_file)
-        changed = sorted(k for k in settings if before.get(k) != settings[k])
-        raise UserError(
-            f"{out_dir}: a run with other settings ({', '.join(changed)}) left it unfinished; rerun with "
-            "those settings to resume, or --overwrite to start over"
-        )
-    storage.write_json_atomic(run_file, settings)
+    storage.pin_run_settings(out_dir / RUN_FILE, settings)
     blocks = [(b, min(b + cfg.rows_per_part, total)) for b in range(0, total, cfg.rows_per_part)]
     todo = [(n, b) for n, b in enumerate(blocks) if not (out_dir / _part(n)).exists()]
     log.info(

@@ -217,6 +217,21 @@ def clear_tmp(folder: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
+    """The settings an unfinished resumable output was started with: written the first time, and a resume
+    with other settings is refused naming them (its parts would not belong together)."""
+    if run_file.exists():
+        before = read_json(run_file)
+        if before != settings:
+            changed = sorted(k for k in settings if before.get(k) != settings[k])
+            raise UserError(
+                f"{run_file.parent}: a run with other settings ({', '.join(changed)}) left it unfinished; "
+                "rerun with those settings to resume, or --overwrite to start over"
+            )
+        return
+    write_json_atomic(run_file, settings)
+
+
 def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
     """True when the stage should run; False (a logged skip upstream) when the output is complete.
 
