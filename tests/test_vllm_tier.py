@@ -102,11 +102,14 @@ def test_trained_draft_accepts_far_more_than_untrained_in_vllm(llama_run, prompt
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
 
 
-# A dropped norm flag is refused by the gate (tests/test_contract.py), but on this tiny verifier, whose
-# states have unit RMS by construction, the norms are near identity: served without the flag, vLLM
-# accepted the same (measured 3.870 vs 3.870 without norm_output, 3.556 vs 3.550 without norm_before_fc),
-# so this tier cannot show its cost; the draft-quality benchmark's trained verifier is where it shows.
-SERVED_FAULTS = [f for f in sorted(SABOTAGES) if f != "norm_flag_dropped"]
+# Two faults are refused by the gate (tests/test_contract.py) but cost nothing measurable on this tiny
+# verifier, so this tier cannot show their cost; the draft-quality benchmark's trained verifier is where
+# it shows. A dropped norm flag: its states have unit RMS by construction, so the norms are near identity
+# (vLLM 3.870 vs 3.870 without norm_output, 3.556 vs 3.550 without norm_before_fc). Aux ids off by one:
+# with norm_before_fc (the default) the normed states of neighbouring layers carry the same signal for its
+# next-token rule (vLLM 3.532 vs 3.550; simulated 3.505 vs 3.505, and 3.537 two layers off).
+UNMEASURABLE_HERE = {"norm_flag_dropped", "aux_ids_shifted"}
+SERVED_FAULTS = [f for f in sorted(SABOTAGES) if f not in UNMEASURABLE_HERE]
 
 
 @pytest.mark.parametrize("fault", SERVED_FAULTS)
