@@ -38,23 +38,24 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 K = 3
-ABLATIONS: dict[str, list[str]] = {  # one factor changed from the project's defaults
-    "lr 1e-4": ["--lr", "1e-4"],
-    "lr 3e-3": ["--lr", "3e-3"],
-    "warm-up 100 steps": ["--warmup-steps", "100"],
-    "linear decay": ["--lr-schedule", "linear"],
-    "norm flags off (plain EAGLE-3)": [
-        "--no-norm-before-residual",
-        "--no-norm-before-fc",
-        "--no-norm-output",
-    ],
-    "head_dim 64 (speculators')": ["--head-dim", "64"],
+# One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
+# "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
+SPECULATORS_ROW = "speculators 0.9.0 defaults"
+ABLATIONS: dict[str, list[str]] = {
+    "round 2 defaults (KL loss, norm_output off, frozen lm_head)": [
+        "--loss", "kl_div", "--no-norm-output", "--no-train-lm-head"],
+    "KL loss (speculators')": ["--loss", "kl_div"],
+    "KL loss, frozen lm_head": ["--loss", "kl_div", "--no-train-lm-head"],
+    "KL loss, lr 3e-3": ["--loss", "kl_div", "--lr", "3e-3"],
+    "KL loss, norm_output off, lr 3e-3": ["--loss", "kl_div", "--no-norm-output", "--lr", "3e-3"],
+    "loss 0.5 KL + 0.5 CE": ["--loss", '{"kl_div": 0.5, "ce": 0.5}'],
+    "loss lk_hybrid": ["--loss", "lk_hybrid"],
+    "loss nla (-log overlap)": ["--loss", "nla"],
+    "frozen lm_head": ["--no-train-lm-head"],
+    "aux-state noise 0.1 x RMS": ["--state-noise", "0.1"],
+    "lr 5e-4": ["--lr", "5e-4"],
     "ttt_steps 4": ["--ttt-steps", "4"],
-    "step-loss decay 0.8": ["--ttt-step-loss-decay", "0.8"],
-    "trainable lm_head": ["--train-lm-head"],
-    "loss on all tokens": ["--loss-on-all-tokens"],
-    "weight decay 0.01": ["--weight-decay", "0.01"],
-}
+}  # fmt: skip
 
 
 def sh(args: list[str], log: Path, threads: int) -> None:
@@ -133,6 +134,21 @@ def project_train(
         "--num-attention-heads", str(hidden["heads"]), "--num-key-value-heads", str(hidden["heads"]),
         "--intermediate-size", str(hidden["intermediate"]), "--max-position-embeddings", "2048",
         "--log-every", "50", *extra], log, threads)  # fmt: skip
+    return out
+
+
+def speculators_run(root: Path, run: str, steps: int, log: Path, threads: int) -> Path:
+    """speculators' own Trainer and defaults (speculators_baseline.py) for `steps`, in a process of its own
+    (its trainer installs signal handlers, which only the main thread may do); cached like the others."""
+    out = root / "runs" / run
+    if not (out / "checkpoints").exists():
+        code = (
+            "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
+            f"import speculators_baseline as b; r = Path({str(root)!r}); "
+            f"b.train(r / 'hidden_states', r / 'split', r / 'vocab', r / 'runs' / {run!r}, {steps}, "
+            "1024, 1024)"
+        )
+        sh(["-c", code], log, threads)
     return out
 
 
@@ -229,13 +245,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     drafts: dict[str, Path] = {}
     for ds, root in datasets.items():
         steps = planned_steps(root, a.epochs, 1024)
-        base_dir = root / "runs" / "speculators"
-        if not (base_dir / "checkpoints").exists():
-            import speculators_baseline
-
-            speculators_baseline.train(root / "hidden_states", root / "split", root / "vocab", base_dir, steps, 1024,
-                                       1024)  # fmt: skip
-        drafts[f"speculators/{ds}"] = export(base_dir, log, a.threads)
+        drafts[f"speculators/{ds}"] = export(speculators_run(root, "speculators", steps, log, a.threads), log,
+                                             a.threads)  # fmt: skip
         drafts[f"project/{ds}"] = export(project_train(root, a.project_run, steps, [], log, a.threads, hidden), log,
                                          a.threads)  # fmt: skip
         rows += [{"recipe": r, "data": ds, "steps": steps} for r in ("speculators", "project")]
@@ -254,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         root = datasets["regenerated"]
         steps = planned_steps(root, a.ablation_epochs, 1024)
         threads = max(1, a.threads // a.jobs)
-        variants = {"project (defaults)": [], **ABLATIONS}
+        variants = {"project (defaults)": [], SPECULATORS_ROW: [], **ABLATIONS}
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
             name, extra = item
             run = f"abl{a.ablation_epochs}-" + "".join(c if c.isalnum() else "_" for c in name)
+            if name == SPECULATORS_ROW:
+                return name, export(speculators_run(root, run, steps, log, threads), log, threads)
             return name, export(project_train(root, run, steps, extra, log, threads, hidden), log, threads)
 
         with ThreadPoolExecutor(a.jobs) as pool:

@@ -111,13 +111,25 @@ def resolve(
     return Kernels(attn, loss, compiled, pad, buckets)
 
 
-def loss_config(k: Kernels) -> dict[str, Any]:
-    """speculators' loss_config for the KL to the verifier (losses/utils.py resolve_loss_config)."""
-    if k.loss_impl == "eager":
-        from speculators.losses.eager import kl_div_loss
-    else:
-        from speculators.losses.utils import kl_div_loss  # the fused Triton kernel, imported on first call
-    return {"kl_div": (kl_div_loss, 1.0)}
+LOSSES = ("kl_div", "ce", "tv", "nla", "lk_hybrid", "rkl", "jsd")  # speculators 0.9.0's names
+
+
+def loss_config(k: Kernels, spec: str = "kl_div") -> dict[str, Any]:
+    """speculators' loss_config (losses/utils.py resolve_loss_config) for the recipe's loss `spec` in this
+    device's implementation: a name from LOSSES or JSON weights such as '{"kl_div": 0.5, "ce": 0.5}'."""
+    from speculators.losses.utils import resolve_loss_config
+
+    return resolve_loss_config(spec, k.loss_impl)  # fused kernels are imported on first call
+
+
+def check_loss(spec: str) -> None:
+    """Refuse an unknown loss before any data is read (the message lists the names)."""
+    from speculators.losses.utils import resolve_loss_config
+
+    try:
+        resolve_loss_config(spec, "eager")
+    except ValueError as e:
+        raise UserError(f"--loss {spec!r}: {e}") from None
 
 
 def padded_length(n: int, k: Kernels) -> int:

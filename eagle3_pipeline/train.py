@@ -31,7 +31,14 @@ from eagle3_pipeline.errors import DiskFull, UserError
 from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
 from eagle3_pipeline.split import load_split, split_samples
-from eagle3_pipeline.train_metrics import accumulate, forward, log_validation, summarize, validate
+from eagle3_pipeline.train_metrics import (
+    accumulate,
+    forward,
+    log_validation,
+    summarize,
+    validate,
+    with_state_noise,
+)
 from eagle3_pipeline.verifier import load_verifier_tensors
 from eagle3_pipeline.vocab import load_mapping
 
@@ -107,7 +114,8 @@ def recipe_of(cfg: TrainConfig) -> dict[str, Any]:
     """What changes the trained weights besides data and shapes (recorded; a resume must keep it)."""
     keys = (
         "lr", "lr_schedule", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay", "grad_clip",
-        "batch_tokens", "grad_accum", "ttt_step_loss_decay", "loss_on_all_tokens", "train_lm_head", "seed",
+        "batch_tokens", "grad_accum", "ttt_step_loss_decay", "loss", "loss_on_all_tokens", "train_lm_head",
+        "state_noise", "seed",
     )  # fmt: skip
     return {k: getattr(cfg, k) for k in keys}
 
@@ -212,6 +220,7 @@ def restore(resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any
 def run(cfg: TrainConfig) -> int:
     dist, device = init_distributed()
     torch.manual_seed(cfg.seed)
+    kernels.check_loss(cfg.loss)
     data = open_data(cfg)
     spec = draft_spec(cfg, data)
     verifier_path = Path(cfg.verifier_path or data.shard_set.meta["verifier"]["path"])
@@ -236,8 +245,9 @@ def run(cfg: TrainConfig) -> int:
     resume_from = prepare_run_dir(cfg, run_meta, dist)
     model, names = build_model(cfg, spec, data, verifier_path, device, kern)
     log.info(
-        "kernels | attention %s | loss %s | compile %s | rows padded to %s",
+        "kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s",
         kern.attn_impl,
+        cfg.loss,
         kern.loss_impl,
         "on" if kern.compile else "off",
         kern.length_buckets or kern.pad_multiple,
@@ -339,6 +349,7 @@ class TrainLoop:
             self.dist,
             self.kern,
             self.cfg.served_k,
+            self.cfg.loss,
         )
 
     def epoch_batches(self, step: int) -> tuple[int, int, Any]:
@@ -354,13 +365,16 @@ class TrainLoop:
         ]
         return epoch, in_epoch, iter(self._loader(take))
 
-    def optimizer_step(self, it: Any, sums: dict[str, float]) -> tuple[float, int]:
+    def optimizer_step(self, it: Any, sums: dict[str, float], step: int) -> tuple[float, int]:
         """grad_accum micro-batches, clip, step; (gradient norm, tokens seen by all ranks)."""
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         tokens = 0
-        for _ in range(cfg.grad_accum):
+        for micro in range(cfg.grad_accum):
             batch = next(it)
+            if cfg.state_noise:
+                seed = ((cfg.seed * 1_000_003 + step) * 64 + micro) * 1024 + self.dist.rank
+                batch = with_state_noise(batch, cfg.state_noise, seed)
             loss, metrics = forward(
                 self.ddp_model,
                 batch,
@@ -369,6 +383,7 @@ class TrainLoop:
                 self.device,
                 self.autocast_dtype,
                 self.kern,
+                cfg.loss,
             )
             (loss / cfg.grad_accum).backward()
             accumulate(sums, metrics)
@@ -391,7 +406,7 @@ class TrainLoop:
             while prog.step < plan.total_steps:
                 epoch, in_epoch, it = self.epoch_batches(prog.step)
                 while prog.step < plan.total_steps and in_epoch < plan.steps_per_epoch:
-                    grad_norm, tokens = self.optimizer_step(it, meter.sums)
+                    grad_norm, tokens = self.optimizer_step(it, meter.sums, prog.step)
                     prog.step += 1
                     in_epoch += 1
                     meter.tokens += tokens

@@ -26,8 +26,10 @@ def forward(
     device: torch.device,
     autocast_dtype: torch.dtype | None,
     kern: kernels.Kernels,
+    loss: str = "kl_div",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, KL to the verifier.
+    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, `loss` (a speculators loss
+    name or JSON weights, kernel_policy.loss_config) against the verifier's distribution.
 
     The row is padded first where the kernels ask for it (flex: a multiple of its block; compile: a
     length bucket; kernel_policy.py says why); padding carries loss mask 0 and document id -1.
@@ -36,7 +38,7 @@ def forward(
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     b = kernels.pad_batch(b, kernels.padded_length(n, kern))
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        _, loss, metrics = model(
+        _, value, metrics = model(
             hidden_states=b["hidden_states"],
             input_ids=b["input_ids"],
             document_ids=b["document_ids"],
@@ -45,9 +47,19 @@ def forward(
             verifier_last_hidden_states=b["verifier_last"],
             ttt_steps=ttt_steps,
             ttt_step_loss_decay=decay,
-            loss_config=kernels.loss_config(kern),
+            loss_config=kernels.loss_config(kern, loss),
         )
-    return loss, metrics
+    return value, metrics
+
+
+def with_state_noise(batch: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """The batch with Gaussian noise on its aux states, `scale` times each token's RMS (EAGLE's feature
+    augmentation: the draft meets states it has not memorised); seeded per step, so a resume repeats it."""
+    h = batch["hidden_states"]
+    g = torch.Generator().manual_seed(seed)
+    rms = h.float().pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(h.shape, generator=g, dtype=torch.float32) * (scale * rms)
+    return {**batch, "hidden_states": (h.float() + noise).to(h.dtype)}
 
 
 def accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor]) -> None:
@@ -82,11 +94,12 @@ def validate(
     dist: Dist,
     kern: kernels.Kernels,
     served_k: int | None = None,
+    loss: str = "kl_div",
 ) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     for batch in loader:
-        _, metrics = forward(model, batch, ttt_steps, decay, device, autocast_dtype, kern)
+        _, metrics = forward(model, batch, ttt_steps, decay, device, autocast_dtype, kern, loss)
         accumulate(sums, metrics)
     model.train()
     return summarize(all_reduce_sums(sums, dist, device), ttt_steps, served_k)

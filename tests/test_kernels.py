@@ -63,7 +63,7 @@ def _drafts(*attn: str) -> list:
     return models
 
 
-def _forward_per_step(model, batch: dict[str, torch.Tensor], k: kernels.Kernels):
+def _forward_per_step(model, batch: dict[str, torch.Tensor], k: kernels.Kernels, loss: str = "kl_div"):
     """(logits of every TTT step, loss, metrics) of one no-grad forward through train_metrics.forward."""
     from eagle3_pipeline.train_metrics import forward
 
@@ -71,11 +71,11 @@ def _forward_per_step(model, batch: dict[str, torch.Tensor], k: kernels.Kernels)
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
     try:
         with torch.no_grad():
-            loss, metrics = forward(model, batch, TTT, 1.0, CPU, None, k)
+            value, metrics = forward(model, batch, TTT, 1.0, CPU, None, k, loss)
     finally:
         hook.remove()
     assert len(logits) == TTT
-    return logits, loss, metrics
+    return logits, value, metrics
 
 
 def test_flex_forward_equals_sdpa_at_every_ttt_step_on_packed_documents():
@@ -333,3 +333,54 @@ def test_train_kernels_benchmark_writes_its_rows_and_the_speculators_ratio(tmp_p
     assert res["project_vs_speculators_step_ratio"] == pytest.approx(ratio)
     assert res["machine"]["speculators"] == "0.9.0" and res["machine"]["threads"] >= 1
     assert res["step_flops"] > 0 and res["attention_extra_gib"]["sdpa"] > res["attention_extra_gib"]["flex"]
+
+
+def test_the_ce_loss_is_cross_entropy_on_the_verifiers_argmax_over_the_supervised_positions():
+    (model,) = _drafts("sdpa")
+    batch = _packed_row()
+    logits, loss, _ = _forward_per_step(model, batch, SDPA_EAGER, "ce")
+    _, kl, _ = _forward_per_step(model, batch, SDPA_EAGER, "kl_div")
+    with torch.no_grad():
+        targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last"]))
+    expected = torch.tensor(0.0)
+    for s, step_logits in enumerate(logits):  # step s predicts position s ahead (align_for_step)
+        n = step_logits.shape[1] - s
+        labels = targets[0, s:].argmax(-1)
+        mask = batch["loss_mask"][0, s:].float()
+        ce = torch.nn.functional.cross_entropy(step_logits[0, :n], labels, reduction="none")
+        expected = expected + (ce * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-5)
+    assert abs(float(loss) - float(kl)) > 1e-3  # the setting reaches the loss
+
+
+def test_a_json_loss_is_the_weighted_sum_of_its_terms():
+    (model,) = _drafts("sdpa")
+    batch = _packed_row()
+    parts = {name: float(_forward_per_step(model, batch, SDPA_EAGER, name)[1]) for name in ("kl_div", "ce")}
+    _, mixed, _ = _forward_per_step(model, batch, SDPA_EAGER, '{"kl_div": 0.25, "ce": 0.75}')
+    assert float(mixed) == pytest.approx(0.25 * parts["kl_div"] + 0.75 * parts["ce"], rel=1e-5)
+
+
+def test_an_unknown_loss_is_refused_before_any_data_is_read(tiny_run, tmp_path):
+    from conftest import run_script, script
+
+    proc = run_script(
+        script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir", str(tmp_path / "t"),
+        "--loss", "mse", "--max-steps", "1", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--loss 'mse'" in proc.stderr and "kl_div" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "t").exists()
+
+
+def test_state_noise_is_relative_to_each_tokens_rms_seeded_and_touches_only_the_aux_states():
+    from eagle3_pipeline.train_metrics import with_state_noise
+
+    batch = _packed_row()
+    batch["hidden_states"][0, :100] *= 50.0  # tokens of very different scale
+    noisy = with_state_noise(batch, 0.1, seed=7)
+    delta = noisy["hidden_states"] - batch["hidden_states"]
+    ratio = delta.pow(2).mean(-1).sqrt() / batch["hidden_states"].pow(2).mean(-1).sqrt()
+    assert 0.08 < float(ratio.min()) and float(ratio.max()) < 0.12  # 0.1 x RMS at every token, whatever its scale
+    assert torch.equal(with_state_noise(batch, 0.1, seed=7)["hidden_states"], noisy["hidden_states"])
+    assert not torch.equal(with_state_noise(batch, 0.1, seed=8)["hidden_states"], noisy["hidden_states"])
+    assert all(noisy[k] is batch[k] for k in batch if k != "hidden_states")
