@@ -38,9 +38,10 @@ def kimi_config_only(tmp_path):
 
 # The draft by hand (contract section 2): fc 7168 x 21504, q/k/v 8192 x 14336, o 7168 x 8192,
 # gate/up/down 18432 x 7168, four RMSNorm weights of 7168 (input, hidden, post-attention, final), and
-# the EAGLE-3.1 input_norm over the three concatenated aux states (21504; norm_before_fc, the default).
-TRAINABLE = 7168 * 21504 + 3 * 8192 * 14336 + 7168 * 8192 + 3 * 18432 * 7168 + 4 * 7168 + 3 * 7168
-FROZEN = V * H + 2 * VD * H + H  # embed_tokens, lm_head (frozen by default), verifier_lm_head, verifier_norm
+# the EAGLE-3.1 input_norm over the three concatenated aux states (21504; norm_before_fc, the default),
+# and the draft lm_head 32000 x 7168 (trained by default).
+TRAINABLE = 7168 * 21504 + 3 * 8192 * 14336 + 7168 * 8192 + 3 * 18432 * 7168 + 4 * 7168 + 3 * 7168 + VD * H
+FROZEN = V * H + VD * H + H  # embed_tokens, verifier_lm_head, verifier_norm
 
 
 def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp_path):
@@ -51,7 +52,7 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
         "--plan-json", str(out),
     )  # fmt: skip
     p = json.loads(out.read_text())
-    assert TRAINABLE == 961_572_864 + 21_504
+    assert TRAINABLE == 961_572_864 + 21_504 + 229_376_000
     assert p["draft"]["trainable_parameters"] == TRAINABLE
     assert p["draft"]["total_parameters"] == TRAINABLE + FROZEN
     assert p["aux_layer_ids"] == [2, 30, 58]
