@@ -17,7 +17,7 @@ draft on CPU: 1.03x at 1024 tokens, tests/test_plan.py; not yet measured on a GP
   autocast     bf16 copies of the weights each Linear multiplies with (torch.autocast caches them)
   activations  per packed token T = max(batch_tokens, max_seq_len): the fp32 inputs (aux states, teacher
                state), fc in/out, the teacher's draft-vocab distribution (fp32); per TTT step the
-               tensors the decoder layer, final norm, lm_head and the loss (KL's, the larger) save for backward
+               tensors the decoder layer, final norm, lm_head and the loss save for backward (KL: the larger)
                (8H + 2q + 4I + V_d values in the compute dtype, V_d fp32 log-probs); K/V of the
                growing cache (step s attends to (s+1)T keys: speculators Eagle3DraftModel.forward)
   mask         sdpa: speculators builds a dense boolean [1, 1, T, T] mask and concatenates a diagonal
