@@ -111,12 +111,9 @@ def resolve(
     return Kernels(attn, loss, compiled, pad, buckets)
 
 
-LOSSES = ("kl_div", "ce", "tv", "nla", "lk_hybrid", "rkl", "jsd")  # speculators 0.9.0's names
-
-
 def loss_config(k: Kernels, spec: str = "kl_div") -> dict[str, Any]:
     """speculators' loss_config (losses/utils.py resolve_loss_config) for the recipe's loss `spec` in this
-    device's implementation: a name from LOSSES or JSON weights such as '{"kl_div": 0.5, "ce": 0.5}'."""
+    device's implementation: a speculators loss name or JSON weights such as '{"kl_div": 0.5, "ce": 0.5}'."""
     from speculators.losses.utils import resolve_loss_config
 
     return resolve_loss_config(spec, k.loss_impl)  # fused kernels are imported on first call

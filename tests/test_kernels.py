@@ -380,7 +380,8 @@ def test_state_noise_is_relative_to_each_tokens_rms_seeded_and_touches_only_the_
     noisy = with_state_noise(batch, 0.1, seed=7)
     delta = noisy["hidden_states"] - batch["hidden_states"]
     ratio = delta.pow(2).mean(-1).sqrt() / batch["hidden_states"].pow(2).mean(-1).sqrt()
-    assert 0.08 < float(ratio.min()) and float(ratio.max()) < 0.12  # 0.1 x RMS at every token, whatever its scale
+    # 0.1 x RMS at every token, whatever its scale
+    assert 0.08 < float(ratio.min()) and float(ratio.max()) < 0.12
     assert torch.equal(with_state_noise(batch, 0.1, seed=7)["hidden_states"], noisy["hidden_states"])
     assert not torch.equal(with_state_noise(batch, 0.1, seed=8)["hidden_states"], noisy["hidden_states"])
     assert all(noisy[k] is batch[k] for k in batch if k != "hidden_states")
