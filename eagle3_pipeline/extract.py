@@ -3,7 +3,7 @@
 Shard layout (`<out_dir>/rows_<start>-<end>/`):
   part-00000.safetensors  input_ids int32 [N], loss_mask uint8 [N], aux_hidden_states [N, n_aux, H],
                           last_hidden_state [N, H] (pre-final-norm, for the teacher), offsets int64 [n+1],
-                          and with fp8 storage their float32 row scales (state_dtype.py)
+                          and with fp8 storage one float32 scale per sample and layer (state_dtype.py)
   part-00000.json         the part's samples (ids, rows, token counts, sha256 of each sample's bytes),
                           rejects, the file's sha256 and the token tensors' sha256; written last, so a
                           part counts only when its .json exists
@@ -97,6 +97,8 @@ def run(cfg: ExtractConfig) -> int:
         "chat_template_kwargs": cfg.chat_template_kwargs,  # 06_evaluate.py builds its prompts with these
         "truncate": cfg.truncate,
     }
+    if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
+        settings["fp8_scales"] = state_dtype.FP8_SCALES
 
     if storage.is_complete(shard) and not cfg.overwrite:
         log.info("skip: %s is complete (use --overwrite to redo it)", shard)
@@ -153,6 +155,7 @@ def _check_free_space(
     if per_row is None:
         return
     need = int(rows_todo * per_row * state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size))
+    need += rows_todo * state_dtype.bytes_per_sample(storage_dtype, num_aux)
     free = storage.free_bytes(shard)
     log.info("disk | need ~%s for %d rows | free %s", storage.format_bytes(need), rows_todo,
              storage.format_bytes(free))  # fmt: skip

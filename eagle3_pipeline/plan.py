@@ -246,9 +246,12 @@ def build(
     )
     draft = draft_report(spec, train.train_lm_head)
     per_token = {dt: state_dtype.bytes_per_token(dt, len(aux), H) for dt in PLAN_DTYPES}
+    per_sample = {dt: state_dtype.bytes_per_sample(dt, len(aux)) for dt in PLAN_DTYPES}
     total_tokens = tokens.total
-    disk = {
-        dt: None if total_tokens is None else int(total_tokens * (bpt + TOKEN_ID_BYTES))
+    disk = {  # a row gives one sample unless it has several assistant turns: rows stand for samples
+        dt: None
+        if total_tokens is None
+        else int(total_tokens * (bpt + TOKEN_ID_BYTES) + (tokens.num_rows or 0) * per_sample[dt])
         for dt, bpt in per_token.items()
     }
     attn_impl = getattr(train, "attn_impl", "auto")
@@ -281,6 +284,7 @@ def build(
             "source": tokens.source,
         },
         "bytes_per_token": per_token,
+        "bytes_per_sample": per_sample,
         "disk": disk,
         "storage_dtype": storage_name,
         "free_bytes": storage.free_bytes(disk_dir),
@@ -318,7 +322,10 @@ def render(p: dict[str, Any]) -> str:
     total = "?" if t["total"] is None else f"{t['total']:,.0f}"
     lines.append(f"tokens        {rows} rows x {per_row} tokens/row = {total} tokens ({t['source']})")
     disk = " | ".join(
-        f"{dt} {p['bytes_per_token'][dt]:,} B/token -> {_gb(p['disk'][dt])}" for dt in PLAN_DTYPES
+        f"{dt} {p['bytes_per_token'][dt]:,} B/token"
+        + (f" + {p['bytes_per_sample'][dt]} B/sample" if p["bytes_per_sample"][dt] else "")
+        + f" -> {_gb(p['disk'][dt])}"
+        for dt in PLAN_DTYPES
     )
     lines.append(f"disk          {disk}")
     need = p["disk"].get(p["storage_dtype"])

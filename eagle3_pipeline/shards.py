@@ -159,8 +159,12 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
         "offsets": [len(num_tokens) + 1],
     }
     if meta["storage_dtype"] == state_dtype.FP8:
-        want["aux_hidden_states_scale"] = [n_tok, n_aux]
-        want["last_hidden_state_scale"] = [n_tok]
+        per_sample = meta.get("fp8_scales") == state_dtype.FP8_SCALES
+        suffix, rows = (
+            (state_dtype.SAMPLE_SCALE, len(num_tokens)) if per_sample else (state_dtype.TOKEN_SCALE, n_tok)
+        )
+        want["aux_hidden_states" + suffix] = [rows, n_aux]
+        want["last_hidden_state" + suffix] = [rows]
     with safe_open(str(path), "pt") as f:
         for name, shape in want.items():
             if name not in f.keys():
@@ -230,7 +234,12 @@ def load_sample(
     with safe_open(str(path), "pt") as f:
         offsets = f.get_tensor("offsets")
         a, b = int(offsets[ref.index]), int(offsets[ref.index + 1])
-        stored = {k: f.get_slice(k)[a:b] for k in f.keys() if k != "offsets"}
+        i = ref.index
+        stored = {
+            k: f.get_slice(k)[i : i + 1] if state_dtype.is_per_sample(k) else f.get_slice(k)[a:b]
+            for k in f.keys()
+            if k != "offsets"
+        }
     if ref.sha256 and storage.sha256_tensors(stored) != ref.sha256:
         raise UserError(
             f"{path}: sha256 of sample {ref.sample_id!r} (#{ref.index}) differs from manifest.json "

@@ -57,11 +57,13 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
     assert p["draft"]["total_parameters"] == TRAINABLE + FROZEN
     assert p["aux_layer_ids"] == [2, 30, 58]
     assert p["draft"]["shapes"]["layers.0.self_attn.q_proj.weight"] == [8192, 14336]
-    assert p["bytes_per_token"] == {"float32": 114_688, "bfloat16": 4 * 7168 * 2, "float8_e4m3fn": 28_688}
-    assert p["bytes_per_token"]["bfloat16"] == 57_344
+    # 4 stored states (3 aux + teacher) x 7168 x bytes per value; fp8 keeps 4 float32 scales per sample
+    assert p["bytes_per_token"] == {"float32": 114_688, "bfloat16": 4 * 7168 * 2, "float8_e4m3fn": 4 * 7168}
+    assert p["bytes_per_token"]["bfloat16"] == 57_344 and p["bytes_per_token"]["float8_e4m3fn"] == 28_672
+    assert p["bytes_per_sample"] == {"float32": 0, "bfloat16": 0, "float8_e4m3fn": 16}
     tokens = 600_000 * 2000
     assert p["disk"]["bfloat16"] == tokens * (57_344 + 5)  # + input_ids int32 and loss_mask uint8
-    assert p["disk"]["float8_e4m3fn"] == tokens * (28_688 + 5)
+    assert p["disk"]["float8_e4m3fn"] == tokens * (28_672 + 5) + 600_000 * 16
     m = p["memory_per_gpu"]
     assert (m["gradients"], m["ddp_buckets"], m["adamw_states"]) == (
         4 * TRAINABLE,
@@ -93,9 +95,11 @@ def test_extract_plan_runs_from_config_json_alone(kimi_config_only, tmp_path):
     p = json.loads(out.read_text())
     assert p["tokens"]["num_rows"] == 10 and p["tokens"]["total"] is None  # no tokenizer next to config.json
     assert "--plan-tokens-per-row" in p["tokens"]["source"] and "aux layer ids [2, 30, 58]" in proc.stdout
-    run_script(*base, "--plan-tokens-per-row", "3000", "--storage-dtype", "float8_e4m3fn")
+    proc = run_script(*base, "--plan-tokens-per-row", "3000", "--storage-dtype", "float8_e4m3fn")
     p = json.loads(out.read_text())
-    assert p["storage_dtype"] == "float8_e4m3fn" and p["disk"]["float8_e4m3fn"] == 10 * 3000 * (28_688 + 5)
+    assert p["storage_dtype"] == "float8_e4m3fn"
+    assert p["disk"]["float8_e4m3fn"] == 10 * 3000 * (28_672 + 5) + 10 * 16
+    assert "float8_e4m3fn 28,672 B/token + 16 B/sample" in proc.stdout
     assert p["draft"]["trainable_parameters"] == TRAINABLE
 
 
