@@ -171,19 +171,21 @@ def verifier_traces(work: Path, prompts: list[list[int]], max_new: int, aux_ids:
     """The verifier's greedy continuation and aux states per prompt, computed once for every draft."""
     import torch
 
-    from eagle3_pipeline.acceptance import verifier_greedy_with_aux
+    from eagle3_pipeline.acceptance import trace_length, verifier_greedy_with_aux
     from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model, verifier_facts
 
     facts = verifier_facts(work / "verifier")
     model = load_verifier_model(work / "verifier", torch.float32, trust_remote_code=False)
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), aux_ids)
     try:
-        return [verifier_greedy_with_aux(model, capture, p, max_new) for p in prompts]
+        return [verifier_greedy_with_aux(model, capture, p, trace_length(max_new, K)) for p in prompts]
     finally:
         capture.remove()
 
 
-def simulate(work: Path, draft_dir: Path, prompts: list[list[int]], traces: list[tuple]) -> tuple[dict, list]:
+def simulate(
+    work: Path, draft_dir: Path, prompts: list[list[int]], traces: list[tuple], max_new: int
+) -> tuple[dict, list]:
     """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
     from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence
     from eagle3_pipeline.reference_draft import ReferenceDraft
@@ -192,8 +194,8 @@ def simulate(work: Path, draft_dir: Path, prompts: list[list[int]], traces: list
     draft = ReferenceDraft(draft_dir, load_verifier_tensors(work / "verifier", False)["embed_tokens"])
     counts = AcceptanceCounts(K)
     for p, (seq, aux) in zip(prompts, traces):
-        simulate_sequence(draft, aux, seq, len(p), K, counts)
-    return counts.summary(), [seq[len(p) :].tolist() for p, (seq, _) in zip(prompts, traces)]
+        simulate_sequence(draft, aux, seq, len(p), K, counts, max_new)
+    return counts.summary(), [seq[len(p) : len(p) + max_new].tolist() for p, (seq, _) in zip(prompts, traces)]
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         key = f"{row['recipe']}/{row['data']}" + (
             "/ablation" if row.get("ablation") and row["recipe"] != "project fp8 shards" else ""
         )
-        row["sim"], greedy = simulate(work, drafts[key], prompts, traces)
+        row["sim"], greedy = simulate(work, drafts[key], prompts, traces, a.max_new_tokens)
         row["greedy"] = greedy
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
         print(

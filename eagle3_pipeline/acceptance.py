@@ -10,7 +10,17 @@ token itself, so the next round starts at n + accepted + 1. Counters follow vLLM
 length = 1 + accepted / drafts.
 
 A first-pass slot depends only on earlier slots (causal), so one first pass over the whole sequence
-serves every round: round n uses its slots 0..n-2 and a cache truncated to them.
+serves every round: round n uses its slots 0..n-2 and a cache truncated to them. That is what vLLM's
+draft cache holds too: its first pass of each round rewrites the slots of the tokens just verified
+(`llm_base_proposer.py`, padded or not), and a chain step reads only slots it or an earlier step of the
+same round wrote.
+
+The end of a request: vLLM 0.32's scheduler clamps the spec tokens of a step only at max_model_len, not
+at max_tokens, so the last round verifies all k drafts and its counters include acceptances past
+max_tokens that the output then drops (`scheduler.py`: num_accepted = sampled - 1 before the stop
+check). The simulation therefore ends the request after `max_new_tokens` but compares the last drafts
+with a trace that runs k - 1 tokens further (`trace_length`). Stopping the comparison at the end instead
+made the simulation low at the deeper positions, by more the better the draft (issue 9).
 """
 
 from __future__ import annotations
@@ -50,6 +60,12 @@ class AcceptanceCounts:
         }
 
 
+def trace_length(max_new_tokens: int, k: int) -> int:
+    """Greedy tokens a trace needs for a request of `max_new_tokens` at k drafts per step: the last
+    round starts with at most max_new_tokens - 1 emitted and vLLM verifies all k of its drafts."""
+    return max_new_tokens + k - 1
+
+
 def simulate_sequence(
     draft: ReferenceDraft,
     aux: torch.Tensor,
@@ -57,13 +73,19 @@ def simulate_sequence(
     prompt_len: int,
     k: int,
     counts: AcceptanceCounts,
+    max_new_tokens: int | None = None,
 ) -> None:
-    """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + greedy."""
+    """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + greedy.
+
+    The request ends after `max_new_tokens` tokens (default: all of seq); seq should run
+    `trace_length(max_new_tokens, k)` tokens past the prompt so the last round is verified as in vLLM.
+    """
     total = seq.numel()
+    end = total if max_new_tokens is None else min(total, prompt_len + max_new_tokens)
     positions = torch.arange(total - 1)
     out0, logits0, cache = draft.first_pass(aux[: total - 1], seq[1:], positions)
     n = prompt_len + 1  # the verifier's prefill emitted seq[prompt_len]
-    while n < total:
+    while n < end:
         proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
         g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
         for j in range(1, k):

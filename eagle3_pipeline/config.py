@@ -239,6 +239,9 @@ class ExportConfig:
         4, "Stored samples on which the read-back export must reproduce the trained draft's logits."
     )
     num_speculative_tokens: int = _f(3, "k in the printed vllm serve line.")
+    serve_tensor_parallel_size: int = _f(
+        0, "--tensor-parallel-size in the printed vllm serve line; 0: the GPUs visible here (at least 1)."
+    )
     overwrite: bool = _f(False, "Replace an existing good export (only after the new one passes the gate).")
 
 

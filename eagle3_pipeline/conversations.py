@@ -57,7 +57,13 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None  # the row's tool declarations, passed to the template
 
 
+def _require(path: Path) -> None:
+    if not path.exists():
+        raise UserError(f"{path}: data not found (--data-path)")
+
+
 def count_rows(path: Path, split: str = "train") -> int:
+    _require(path)
     if path.is_dir():
         return len(_load_dataset(path, split))
     if path.suffix == ".jsonl":
@@ -68,6 +74,7 @@ def count_rows(path: Path, split: str = "train") -> int:
 
 def read_rows(path: Path, start: int, end: int, split: str = "train") -> Iterator[RawRow]:
     """Rows [start, end) of a source; unreadable rows come back with `error` set."""
+    _require(path)
     if path.is_dir():
         ds = _load_dataset(path, split)
         for i in range(start, min(end, len(ds))):

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import storage
-from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, verifier_greedy_with_aux
+from eagle3_pipeline.acceptance import (
+    AcceptanceCounts,
+    simulate_sequence,
+    trace_length,
+    verifier_greedy_with_aux,
+)
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import EvaluateConfig, config_to_dict
 from eagle3_pipeline.conversations import RowRejected, read_rows
@@ -32,11 +37,13 @@ from eagle3_pipeline.verifier import (
 
 log = logging.getLogger("eagle3.evaluate")
 
-# Per-position acceptance rates of vLLM and the simulation may differ where fp32 near-ties in the
-# verifier or draft resolve differently in vLLM's kernels; on the tiny CI models they agree exactly or
-# within one or two drafts in a few hundred. 0.05 absolute per position is far below the effect of any
-# contract fault (a missing head_dim or d2t, or shifted aux ids, move rates by 0.2-0.9).
-RATE_TOLERANCE = 0.05
+# Per-position acceptance rates of vLLM and the simulation. With the last step verified past
+# max_new_tokens as vLLM does (acceptance.py), their counters are equal on the CI models in fp32 (tiny
+# Llama tier: 100/93/93 accepted of 104 drafts in both; before, the simulation had 100/91/89). A fp32
+# near-tie that vLLM's kernels resolve differently moves a rate by one draft in the number of drafts:
+# 0.01 absolute per position (issue 9's bound) allows that at ~100 drafts, and is far below the effect
+# of any contract fault (a missing head_dim or d2t, or shifted aux ids, move rates by 0.2-0.9).
+RATE_TOLERANCE = 0.01
 
 
 def build_prompts(
@@ -112,9 +119,9 @@ def simulate(
     outputs = []
     try:
         for prompt in progress(prompts, desc="simulate", unit="prompt"):
-            seq, aux = verifier_greedy_with_aux(model, capture, prompt, max_new_tokens)
-            simulate_sequence(draft, aux, seq, len(prompt), k, counts)
-            outputs.append(seq[len(prompt) :].tolist())
+            seq, aux = verifier_greedy_with_aux(model, capture, prompt, trace_length(max_new_tokens, k))
+            simulate_sequence(draft, aux, seq, len(prompt), k, counts, max_new_tokens)
+            outputs.append(seq[len(prompt) : len(prompt) + max_new_tokens].tolist())
     finally:
         capture.remove()
     return counts.summary(), outputs

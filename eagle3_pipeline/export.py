@@ -11,6 +11,7 @@ trained draft's logits on stored samples (tolerance below).
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -345,10 +346,28 @@ def gate_samples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
     return [load_sample(r) for r in shard_set.samples[:n]]
 
 
-def serve_line(verifier_path: str, export_dir: Path, k: int) -> str:
+def needs_remote_code(verifier_path: Path) -> bool:
+    """Whether the verifier ships its own code (an `auto_map` in config.json or tokenizer_config.json,
+    as Kimi-K2.5's config and tokenizer do): vLLM then needs --trust-remote-code to load it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        f = verifier_path / name
+        try:
+            if f.is_file() and json.loads(f.read_text()).get("auto_map"):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def serve_line(verifier_path: str, export_dir: Path, k: int, tensor_parallel_size: int = 0) -> str:
+    """The `vllm serve` command for this export: tensor parallel over the GPUs visible here (or the
+    size given), --trust-remote-code only for a verifier that ships code."""
+    if tensor_parallel_size <= 0:
+        tensor_parallel_size = max(1, torch.cuda.device_count())
     spec = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": %d}' % (export_dir.resolve(), k)
+    remote = " --trust-remote-code" if needs_remote_code(Path(verifier_path)) else ""
     return (
-        f"vllm serve {verifier_path} --tensor-parallel-size 8 --trust-remote-code \\\n"
+        f"vllm serve {verifier_path} --tensor-parallel-size {tensor_parallel_size}{remote} \\\n"
         f"  --speculative-config '{spec}'"
     )
 
@@ -380,7 +399,9 @@ def run(cfg: ExportConfig) -> int:
         stats["normalised_error"],
         stats["positions"],
     )
-    print(serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens))
+    print(
+        serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens, cfg.serve_tensor_parallel_size)
+    )
     return 0
 
 

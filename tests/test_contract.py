@@ -222,3 +222,21 @@ def test_nested_kimi_style_verifier_gives_the_same_aux_states(tmp_path):
     assert "KimiK25" in type(model).__name__ or "Kimi_K25" in type(model).__name__
     torch.testing.assert_close(states[0][0], states[1][0], rtol=0, atol=0)
     torch.testing.assert_close(states[0][1], states[1][1], rtol=0, atol=0)
+
+
+def test_serve_line_fits_the_verifier(tmp_path):
+    from eagle3_pipeline.export import serve_line
+
+    plain, kimi = tmp_path / "llama", tmp_path / "kimi"
+    for d in (plain, kimi):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    # Kimi-K2.5's config maps its classes to the checkpoint's own code (auto_map), as its tokenizer does
+    (kimi / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}})
+    )
+    line = serve_line(str(plain), tmp_path / "draft", 3)
+    assert f"vllm serve {plain} --tensor-parallel-size 1 \\" in line  # no GPU here: 1, no remote code
+    assert '"num_speculative_tokens": 3' in line and "--trust-remote-code" not in line
+    line = serve_line(str(kimi), tmp_path / "draft", 3, tensor_parallel_size=8)
+    assert f"vllm serve {kimi} --tensor-parallel-size 8 --trust-remote-code \\" in line

@@ -113,6 +113,16 @@ def test_malformed_json_file_is_one_clear_error(tiny_verifier, tmp_path):
     assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_evaluation_data_that_is_missing_is_one_clear_error(tiny_run, tmp_path):
+    missing = tmp_path / "held_out.jsonl"
+    proc = run_script(
+        script("06_evaluate.py"), "--draft-dir", str(tiny_run / "draft"), "--data-path", str(missing),
+        "--engine", "sim", "--num-prompts", "1", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and f"{missing}: data not found" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_datasets_folder_is_read_like_jsonl(tiny_verifier, tmp_path):
     import datasets
 

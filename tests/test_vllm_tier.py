@@ -52,13 +52,45 @@ def prompts(llama_run) -> list[list[int]]:
     return build_prompts(tokenizer, CONVERSATIONS, 0, NUM_PROMPTS)
 
 
+EOS_AT = 5  # the verifier's end token is the 6th token of its greedy answer to the first prompt
+
+
 @pytest.fixture(scope="module")
-def trained(llama_run) -> dict:
-    """06_evaluate.py --engine both on the trained export: vLLM and the simulation on the same prompts."""
+def eos_verifier(llama_run, prompts, tmp_path_factory) -> tuple[Path, int]:
+    """The tiny Llama verifier with an end token that its greedy answers reach within MAX_NEW_TOKENS
+    (config.json and generation_config.json): vLLM's worker decodes past it (ignore_eos), so the
+    simulation's trace must too, or `--engine both` calls a lossless run lossy (issue 9)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = llama_run / "verifier"
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    ids = list(prompts[0])
+    with torch.no_grad():
+        for _ in range(EOS_AT + 1):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    eos = ids[-1]
+    dst = tmp_path_factory.mktemp("eos") / "verifier"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return dst, eos
+
+
+@pytest.fixture(scope="module")
+def trained(llama_run, eos_verifier) -> dict:
+    """06_evaluate.py --engine both on the trained export: vLLM and the simulation on the same prompts,
+    with a verifier whose end token the answers reach (eos_verifier)."""
     proc = run_script(
         script("06_evaluate.py"),
         "--config",
         str(llama_run / "tiny_llama.toml"),
+        "--verifier-path",
+        str(eos_verifier[0]),
         "--engine",
         "both",
         "--num-prompts",
@@ -81,9 +113,12 @@ def trained(llama_run) -> dict:
     return result
 
 
-def test_vllm_speculation_is_lossless(trained):
+def test_vllm_speculation_is_lossless(trained, eos_verifier):
     assert trained["comparison"]["lossless"], trained["comparison"]["first_mismatch"]
     assert trained["vllm"]["num_drafts"] > 0
+    # the answers run past the verifier's end token, in vLLM and in the simulation alike
+    outputs = trained["vllm"]["outputs"]
+    assert outputs[0][EOS_AT] == eos_verifier[1] and all(len(o) == MAX_NEW_TOKENS for o in outputs)
 
 
 def test_vllm_acceptance_per_position_agrees_with_simulation(trained):
