@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
+    p.add_argument("--bf16", action="store_true", help="also the project's recipe on bf16 shards (simulated)")
     p.add_argument(
         "--no-vllm", action="store_true", help="no vLLM at all: regenerate with transformers, simulate"
     )
@@ -252,15 +253,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         drafts[f"project/{ds}"] = export(project_train(root, a.project_run, steps, [], log, a.threads, hidden), log,
                                          a.threads)  # fmt: skip
         rows += [{"recipe": r, "data": ds, "steps": steps} for r in ("speculators", "project")]
-    if a.fp8:
+    stored = {"fp8": ("float8_e4m3fn", a.fp8), "bf16": ("bfloat16", a.bf16)}  # the recipe on other shards
+    for short, (dtype, wanted) in stored.items():
+        if not wanted:
+            continue
         regen = work / "data/regenerated/conversations.jsonl"
-        root = prepare(
-            work, "regenerated_fp8", regen, log, a.threads, draft_vocab, ("--storage-dtype", "float8_e4m3fn")
-        )
+        root = prepare(work, f"regenerated_{short}", regen, log, a.threads, draft_vocab, ("--storage-dtype", dtype))
         steps = planned_steps(root, a.epochs, 1024)
-        drafts["project fp8 shards/regenerated"] = export(project_train(root, a.project_run, steps, [], log, a.threads,
-                                                                        hidden), log, a.threads)  # fmt: skip
-        rows.append({"recipe": "project fp8 shards", "data": "regenerated", "steps": steps, "ablation": True})
+        drafts[f"project {short} shards/regenerated"] = export(project_train(root, a.project_run, steps, [], log,
+                                                                             a.threads, hidden), log, a.threads)  # fmt: skip
+        rows.append({"recipe": f"project {short} shards", "data": "regenerated", "steps": steps, "ablation": True})
     if a.ablations:  # one factor changed at a time, shorter runs, side by side
         from concurrent.futures import ThreadPoolExecutor
 
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     traces = verifier_traces(work, prompts, a.max_new_tokens, aux_ids)
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
-            "/ablation" if row.get("ablation") and row["recipe"] != "project fp8 shards" else ""
+            "/ablation" if row.get("ablation") and not row["recipe"].endswith(" shards") else ""
         )
         row["sim"], greedy = simulate(work, drafts[key], prompts, traces, a.max_new_tokens)
         row["greedy"] = greedy
