@@ -11,8 +11,8 @@ Output:  one shard `<out-dir>/rows_<start>-<end>/` per row range: input_ids, ass
          layer's pre-norm output for the teacher, in safetensors part files, with manifest.json
          (sample ids, token counts, sha256 per file), rejects.jsonl (every row not written, with its
          reason) and meta.json (verifier, layer ids, hidden size, dtype, counts, versions).
-Storage: --storage-dtype float8_e4m3fn halves the disk (28,688 instead of 57,344 bytes per Kimi token:
-per-token float32 scales); later stages read it dequantised. Default: as computed (--dtype).
+Storage: --storage-dtype float8_e4m3fn halves the disk (28,672 instead of 57,344 bytes per Kimi token,
+plus 16 bytes of float32 scales per sample); later stages read it dequantised. Default: as computed.
 Safe to interrupt: parts are written atomically; rerun the same command to finish a shard (finished
 parts are skipped); --overwrite redoes it. A complete shard is a logged skip (exit 0). A full disk is an
 error naming the file and the bytes; a run that would not fit (sampled tokens per row) does not start.
@@ -25,6 +25,8 @@ Examples:
   # a shell loop over shards (each one resumable, the loop stops on the first failure)
   set -euo pipefail; for s in $(seq 0 2000 600000); do
     python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row $s --end-row $((s+2000)); done
+  # the same shards from one process: the verifier loads once, not once per shard (same bytes)
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row 0 --end-row 600000 --shard-rows 2000
   # Kimi-K2.5 in instant mode (the config's default is thinking mode)
   python 01_extract_hidden_states.py --config configs/kimi_k25.toml --chat-template-kwargs '{"thinking":false}'
   # the tiny CI verifier

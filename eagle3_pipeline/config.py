@@ -75,6 +75,12 @@ class ExtractConfig:
     )
     start_row: int = _f(0, "First input row of this shard (inclusive).")
     end_row: int | None = _f(None, "Row after the last one of this shard (exclusive); default: end of data.")
+    shard_rows: int | None = _f(
+        None,
+        "Split [start_row, end_row) into shards of this many rows, written one after the other by this one "
+        "process: the verifier loads once instead of once per shard. Each shard is the same, byte for "
+        "byte, as its own --start-row/--end-row run would write, and resumes the same way.",
+    )
     aux_layer_ids: list[int] | None = _f(
         None,
         "Aux layer ids in vLLM's convention (id i = Hugging Face "
@@ -108,8 +114,8 @@ class ExtractConfig:
     storage_dtype: str = _f(
         "auto",
         "How aux/last hidden states are stored: auto (as computed, --dtype), bfloat16, float32, or "
-        "float8_e4m3fn with a float32 scale per token and layer (half the bytes of bfloat16; "
-        "stages 02-05 read it dequantised).",
+        "float8_e4m3fn with a float32 scale per sample and layer (half the bytes of bfloat16 per "
+        "token; stages 02-05 read it dequantised).",
     )
     trust_remote_code: bool = _f(
         False,

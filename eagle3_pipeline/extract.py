@@ -14,6 +14,7 @@ block that was in flight, and the result is byte-identical to an uninterrupted r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -78,6 +79,24 @@ def run(cfg: ExtractConfig) -> int:
         raise UserError(
             f"row range [{cfg.start_row}, {cfg.end_row}) is empty for {data_path} ({total_rows} rows)"
         )
+    if cfg.shard_rows is not None and cfg.shard_rows < 1:
+        raise UserError(f"shard_rows {cfg.shard_rows}: use a positive number of rows per shard")
+    step = cfg.shard_rows or end - start
+    ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
+    if len(ranges) > 1:
+        log.info("%d shards of %d rows in [%d, %d), one verifier load", len(ranges), step, start, end)
+    loaded: dict[str, Any] = {}  # the verifier, loaded by the first shard with work to do
+    for a, b in ranges:
+        # each shard records the settings of its own single-shard run, so both ways write the same bytes
+        one = dataclasses.replace(cfg, start_row=a, end_row=b, shard_rows=None)
+        _run_shard(one, facts, aux_ids, a, b, loaded)
+    return 0
+
+
+def _run_shard(
+    cfg: ExtractConfig, facts: Any, aux_ids: list[int], start: int, end: int, loaded: dict[str, Any]
+) -> None:
+    data_path, verifier_path = Path(cfg.data_path), Path(cfg.verifier_path)
     if cfg.samples_per_file < 1:
         raise UserError("samples_per_file must be >= 1")
     dtype = resolve_dtype(cfg.dtype)
@@ -102,7 +121,7 @@ def run(cfg: ExtractConfig) -> int:
 
     if storage.is_complete(shard) and not cfg.overwrite:
         log.info("skip: %s is complete (use --overwrite to redo it)", shard)
-        return 0
+        return
     if cfg.overwrite and shard.exists():
         import shutil
 
@@ -125,15 +144,30 @@ def run(cfg: ExtractConfig) -> int:
         storage_dtype,
     )
     if todo:
-        from transformers import AutoTokenizer
+        if "tokenizer" not in loaded:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
+            loaded["tokenizer"] = AutoTokenizer.from_pretrained(
+                str(verifier_path), trust_remote_code=cfg.trust_remote_code
+            )
+        tokenizer = loaded["tokenizer"]
         _check_free_space(cfg, shard, tokenizer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
+        if "model" not in loaded:
+            t0 = time.time()
+            loaded["model"] = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
+            log.info("verifier loaded | %s | %s | %.1fs", verifier_path, settings["dtype"], time.time() - t0)
         _extract_parts(
-            cfg, shard, blocks, todo, aux_ids, dtype, storage_dtype, facts.num_hidden_layers, tokenizer
+            cfg,
+            shard,
+            blocks,
+            todo,
+            aux_ids,
+            storage_dtype,
+            facts.num_hidden_layers,
+            tokenizer,
+            loaded["model"],
         )
     _finish_shard(cfg, shard, blocks, settings)
-    return 0
 
 
 def _check_free_space(
@@ -184,13 +218,12 @@ def _extract_parts(
     blocks: list[tuple[int, int]],
     todo: list[tuple[int, tuple[int, int]]],
     aux_ids: list[int],
-    dtype: torch.dtype,
     storage_dtype: str,
     num_layers: int,
     tokenizer: Any,
+    model: Any,
 ) -> None:
-    verifier_path = Path(cfg.verifier_path)
-    model = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
+    dtype = next(model.parameters()).dtype
     capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
     opts = SampleOptions(cfg.max_seq_len, cfg.truncate, cfg.chat_template_kwargs)

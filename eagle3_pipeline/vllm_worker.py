@@ -270,6 +270,8 @@ def _has_routed_experts(verifier: str) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     text = cfg.get("text_config") or cfg
+    if text.get("n_routed_experts") and text.get("first_k_dense_replace", 0) >= text.get("num_hidden_layers", 1):
+        return False  # DeepSeek-V3 with every layer dense (the tier's tiny MLA verifier): no MoE kernel runs
     return bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
 
 

@@ -14,9 +14,9 @@ GPUS=${GPUS:-8}
 # What the whole run needs (disk per storage dtype, memory per GPU, steps), before any GPU work
 "$PY" 01_extract_hidden_states.py --config "$CONFIG" --plan --plan-gpus "$GPUS" --plan-rows "$NUM_ROWS"
 "$PY" 00_regenerate.py --config "$CONFIG"          # one vLLM engine over all GPUs, resumable
-for ((start = 0; start < NUM_ROWS; start += SHARD_ROWS)); do
-  "$PY" 01_extract_hidden_states.py --config "$CONFIG" --start-row "$start" --end-row $((start + SHARD_ROWS))
-done
+# one process writes every shard of SHARD_ROWS rows (the verifier loads once); each shard is the same as
+# its own `--start-row a --end-row b` run would write, so the README's shell loop is interchangeable
+"$PY" 01_extract_hidden_states.py --config "$CONFIG" --start-row 0 --end-row "$NUM_ROWS" --shard-rows "$SHARD_ROWS"
 "$PY" 02_build_vocab_mapping.py --config "$CONFIG"
 "$PY" 03_split_data.py --config "$CONFIG"
 "$(dirname "$PY")/torchrun" --nproc-per-node "$GPUS" 04_train.py --config "$CONFIG"

