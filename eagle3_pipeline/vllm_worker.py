@@ -263,13 +263,17 @@ ENGINE_KEYS = ("verifier", "draft", "num_speculative_tokens", "dtype", "max_mode
                "tensor_parallel_size", "trust_remote_code", "enforce_eager")  # fmt: skip
 
 
-def _has_routed_experts(verifier: str) -> bool:
+def _text_config(verifier: str) -> dict:
     try:
         with open(os.path.join(verifier, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError):
-        return False
-    text = cfg.get("text_config") or cfg
+        return {}
+    return cfg.get("text_config") or cfg
+
+
+def _has_routed_experts(verifier: str) -> bool:
+    text = _text_config(verifier)
     if text.get("n_routed_experts") and text.get("first_k_dense_replace", 0) >= text.get("num_hidden_layers", 1):
         return False  # DeepSeek-V3 with every layer dense (the tier's tiny MLA verifier): no MoE kernel runs
     return bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
@@ -310,6 +314,10 @@ def engine_kwargs(req: dict) -> dict:
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
     if current_platform.is_cpu():
         kwargs.update(CPU_ONLY_ENGINE_SETTINGS, dtype=cpu_dtype(req))
+        if kwargs["dtype"] == "float32" and _text_config(req["verifier"]).get("kv_lora_rank"):
+            # MLA on a CPU with AMX tiles picks AMX_MLA, which packs bfloat16 weights only ("expect weight
+            # to be bfloat16, ..."): the reference CPU_MLA backend runs float32
+            kwargs["attention_config"] = {"backend": "CPU_MLA"}
     return kwargs
 
 
