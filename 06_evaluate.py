@@ -9,7 +9,7 @@ Engines: sim   this project's PyTorch run of vLLM's greedy EAGLE-3 chain, readin
          vllm  the real vLLM engine in its own environment (scripts/setup_vllm_cpu.sh on CPU);
          both  the two on the same prompts, checking that vLLM's speculative output equals the
                verifier's greedy output token for token and that per-position acceptance agrees
-               within 0.05 (exit 1 otherwise).
+               within 0.01 (exit 1 otherwise; the simulation's counters equal vLLM's in fp32).
 Output:  acceptance_<engine>.json in the export folder (or --out-dir): counters as vLLM names them
          (num_drafts, num_accepted_tokens, accepted_per_pos), rates, mean acceptance length.
 
