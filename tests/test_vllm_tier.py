@@ -139,8 +139,9 @@ def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
 
 
-# Two faults are refused by the gate (tests/test_contract.py) but cost nothing measurable here. A dropped
-# norm flag: this verifier's states have unit RMS by construction (vLLM 3.870 vs 3.870 without norm_output,
+# Two faults are refused by the gate (tests/test_contract.py) but cost nothing measurable here (measured
+# on the Llama verifier; not served on either). A dropped norm flag: the Llama verifier's states have
+# unit RMS by construction (vLLM 3.870 vs 3.870 without norm_output,
 # 3.556 vs 3.550 without norm_before_fc, round 2's KL recipe). Aux ids off by one: with norm_before_fc the
 # normed states of neighbouring layers carry the same signal for its next-token rule (vLLM 3.532 vs 3.550;
 # simulated 3.505 vs 3.505, 3.537 two layers off). On the draft-quality benchmark's trained verifier they
