@@ -18,6 +18,11 @@ parts are skipped); --overwrite redoes it. A complete shard is a logged skip (ex
 error naming the file and the bytes; a run that would not fit (sampled tokens per row) does not start.
 --plan prints what the whole run needs (disk per storage dtype, memory per GPU, steps, time) and runs
 nothing; it needs only the verifier's config.json.
+Engines: --engine hf (default: transformers in this process) or --engine vllm (vLLM's
+extract_hidden_states method in its own environment, tensor parallel over the visible GPUs: what
+configs/kimi_k25.toml uses). With vllm, --serve starts one engine for the config and keeps it; runs with
+the same config are its clients, so a shell loop over shards loads the verifier once (README "Extraction
+engines"). Rendering and writing overlap the forward in both engines.
 
 Examples:
   # one shard with the real run's settings
@@ -25,6 +30,9 @@ Examples:
   # a shell loop over shards (each one resumable, the loop stops on the first failure)
   set -euo pipefail; for s in $(seq 0 2000 600000); do
     python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row $s --end-row $((s+2000)); done
+  # vLLM (the Kimi config's engine): one server loads the verifier, the shard loop's runs are its clients
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --serve &
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row 0 --end-row 2000   # a client
   # the same shards from one process: the verifier loads once, not once per shard (same bytes)
   python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row 0 --end-row 600000 --shard-rows 2000
   # Kimi-K2.5 in instant mode (the config's default is thinking mode)

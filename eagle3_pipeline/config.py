@@ -122,6 +122,21 @@ class ExtractConfig:
         "Allow the verifier's own code: Kimi-K2.5's tiktoken tokenizer needs it (its model also loads "
         "natively with transformers 5.19).",
     )
+    engine: str = _f(
+        "hf",
+        "hf: transformers in this process (device_map=auto over the visible GPUs: one GPU at a time); "
+        "vllm: vLLM's extract_hidden_states method in its own environment, tensor parallel over the "
+        "visible GPUs, its MLA/MoE kernels, the states its EAGLE-3 code will feed the draft. With vllm, "
+        "a server started by --serve for the same out_dir is used when one runs (the verifier loaded "
+        "once for a whole shard loop); otherwise the run starts its own engine.",
+    )
+    serve: bool = _f(
+        False,
+        "With --engine vllm: start the vLLM extraction server for this config (loopback, the config's "
+        "verifier, aux layers, dtype, max_seq_len), record it in <out_dir>/vllm-server.json and keep it "
+        "until Ctrl-C or SIGTERM; stage 01 runs with the same config (the shard loop) are its clients.",
+    )
+    vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
     overwrite: bool = _f(False, "Redo a shard that is already complete.")
 
 

@@ -29,7 +29,7 @@ import torch
 from eagle3_pipeline import state_dtype, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import ExtractConfig, config_to_dict
-from eagle3_pipeline.conversations import RawRow, RowRejected, count_rows, read_rows
+from eagle3_pipeline.conversations import RawRow, RowRejected, count_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import Sample, SampleOptions, row_samples
 from eagle3_pipeline.verifier import (
@@ -79,24 +79,74 @@ def run(cfg: ExtractConfig) -> int:
         raise UserError(
             f"row range [{cfg.start_row}, {cfg.end_row}) is empty for {data_path} ({total_rows} rows)"
         )
+    if cfg.engine not in ("hf", "vllm"):
+        raise UserError(f"engine {cfg.engine!r}: use hf or vllm")
+    if cfg.serve:
+        if cfg.engine != "vllm":
+            raise UserError("--serve starts a vLLM server: add --engine vllm")
+        from eagle3_pipeline.extract_vllm import serve
+
+        return serve(cfg, aux_ids, facts.num_hidden_layers, resolve_dtype(cfg.dtype))
     if cfg.shard_rows is not None and cfg.shard_rows < 1:
         raise UserError(f"shard_rows {cfg.shard_rows}: use a positive number of rows per shard")
     step = cfg.shard_rows or end - start
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
         log.info("%d shards of %d rows in [%d, %d), one verifier load", len(ranges), step, start, end)
-    loaded: dict[str, Any] = {}  # the verifier, loaded by the first shard with work to do
-    for a, b in ranges:
-        # each shard records the settings of its own single-shard run, so both ways write the same bytes
-        one = dataclasses.replace(cfg, start_row=a, end_row=b, shard_rows=None)
-        _run_shard(one, facts, aux_ids, a, b, loaded)
+    loaded: dict[str, Any] = {}  # the verifier (hf: loaded by the first shard with work to do), renderer
+    try:
+        if any(
+            cfg.overwrite or not storage.is_complete(Path(cfg.out_dir) / shard_name(a, b)) for a, b in ranges
+        ):
+            from eagle3_pipeline.extract_render import Renderer
+
+            loaded["renderer"] = Renderer(cfg)  # starts now: it loads the tokenizer while the verifier loads
+            if cfg.engine == "vllm":  # vLLM starts now too, beside this process's own preparation
+                loaded["engine"] = _open_engine(cfg, facts, aux_ids, resolve_dtype(cfg.dtype))
+        for a, b in ranges:
+            # each shard records the settings of its own single-shard run, so both ways write the same bytes
+            _run_shard(
+                dataclasses.replace(cfg, start_row=a, end_row=b, shard_rows=None), facts, aux_ids, loaded
+            )
+    finally:
+        if "engine" in loaded:
+            loaded["engine"].__exit__(None, None, None)
+        if "renderer" in loaded:
+            loaded["renderer"].close()
     return 0
 
 
-def _run_shard(
-    cfg: ExtractConfig, facts: Any, aux_ids: list[int], start: int, end: int, loaded: dict[str, Any]
-) -> None:
-    data_path, verifier_path = Path(cfg.data_path), Path(cfg.verifier_path)
+class HfStates:
+    """(aux [T, n_aux, H], last [T, H]) per sequence from the transformers verifier in this process."""
+
+    def __init__(self, model: Any, aux_ids: list[int], num_layers: int, max_batch_tokens: int):
+        self.model, self.max_batch_tokens = model, max_batch_tokens
+        self.dtype = next(model.parameters()).dtype
+        self.capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.capture.remove()
+
+    def __call__(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return _forward_batched(self.model, self.capture, sequences, self.max_batch_tokens)
+
+
+def _open_engine(cfg: ExtractConfig, facts: Any, aux_ids: list[int], dtype: torch.dtype) -> Any:
+    if cfg.engine == "vllm":
+        from eagle3_pipeline.extract_vllm import VllmStates
+
+        return VllmStates(cfg, aux_ids, facts.num_hidden_layers, dtype).__enter__()
+    t0 = time.time()
+    model = load_verifier_model(Path(cfg.verifier_path), dtype, cfg.trust_remote_code)
+    log.info("verifier loaded | %s | %s | %.1fs", cfg.verifier_path, str(dtype).removeprefix("torch."),
+             time.time() - t0)  # fmt: skip
+    return HfStates(model, aux_ids, facts.num_hidden_layers, cfg.max_batch_tokens)
+
+
+def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[str, Any]) -> None:
+    data_path = Path(cfg.data_path)
+    start, end = cfg.start_row, cfg.end_row
+    assert end is not None
     if cfg.samples_per_file < 1:
         raise UserError("samples_per_file must be >= 1")
     dtype = resolve_dtype(cfg.dtype)
@@ -118,6 +168,13 @@ def _run_shard(
     }
     if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
         settings["fp8_scales"] = state_dtype.FP8_SCALES
+    if cfg.engine == "vllm":  # (an hf shard's settings are those of the shards written before engines)
+        from eagle3_pipeline.extract_vllm import vllm_version
+
+        if "vllm_version" not in loaded:  # the server's when its client
+            engine = loaded.get("engine")
+            loaded["vllm_version"] = engine.version if engine else vllm_version(cfg.vllm_python)
+        settings.update(engine="vllm", vllm_version=loaded["vllm_version"])
 
     if storage.is_complete(shard) and not cfg.overwrite:
         log.info("skip: %s is complete (use --overwrite to redo it)", shard)
@@ -144,48 +201,27 @@ def _run_shard(
         storage_dtype,
     )
     if todo:
-        if "tokenizer" not in loaded:
-            from transformers import AutoTokenizer
-
-            loaded["tokenizer"] = AutoTokenizer.from_pretrained(
-                str(verifier_path), trust_remote_code=cfg.trust_remote_code
-            )
-        tokenizer = loaded["tokenizer"]
-        _check_free_space(cfg, shard, tokenizer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
-        if "model" not in loaded:
-            t0 = time.time()
-            loaded["model"] = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
-            log.info("verifier loaded | %s | %s | %.1fs", verifier_path, settings["dtype"], time.time() - t0)
-        _extract_parts(
-            cfg,
-            shard,
-            blocks,
-            todo,
-            aux_ids,
-            storage_dtype,
-            facts.num_hidden_layers,
-            tokenizer,
-            loaded["model"],
-        )
+        renderer = loaded["renderer"]
+        if "engine" not in loaded:  # while the renderer loads its tokenizer (nothing written yet)
+            loaded["engine"] = _open_engine(cfg, facts, aux_ids, dtype)
+        _check_free_space(cfg, shard, renderer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
+        _extract_parts(shard, todo, storage_dtype, renderer, loaded["engine"])
     _finish_shard(cfg, shard, blocks, settings)
 
 
 def _check_free_space(
     cfg: ExtractConfig,
     shard: Path,
-    tokenizer: Any,
+    renderer: Any,
     todo: list[tuple[int, tuple[int, int]]],
     num_aux: int,
     hidden_size: int,
     storage_dtype: str,
 ) -> None:
     """Refuse to start when the parts still to write would not fit (tokens per row from a sample)."""
-    from eagle3_pipeline.plan import sample_tokens_per_row
-
     a0 = todo[0][1][0]
     rows_todo = sum(b - a for _, (a, b) in todo)
-    per_row = sample_tokens_per_row(tokenizer, Path(cfg.data_path), cfg.data_split, a0, a0 + rows_todo,
-                                    cfg.max_seq_len)  # fmt: skip
+    per_row = renderer.tokens_per_row(a0, a0 + rows_todo)
     if per_row is None:
         return
     need = int(rows_todo * per_row * state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size))
@@ -203,74 +239,83 @@ def _check_free_space(
         )
 
 
-def _seen_ids(shard: Path, blocks: list[tuple[int, int]], before_part: int) -> dict[str, int]:
-    seen: dict[str, int] = {}
-    for n in range(before_part):
-        info = storage.read_json(shard / f"part-{n:05d}.json")
-        for s in info["samples"]:
-            seen[s["id"]] = s["row"]
-    return seen
+def _seen_ids(shard: Path, todo: list[tuple[int, tuple[int, int]]]) -> dict[int, dict[str, int]]:
+    """{part: {sample id: row}} of the finished parts before the last part to do."""
+    done: dict[int, dict[str, int]] = {}
+    to_do = {n for n, _ in todo}
+    for n in range(max(to_do)):
+        if n not in to_do:
+            info = storage.read_json(shard / f"part-{n:05d}.json")
+            done[n] = {s["id"]: s["row"] for s in info["samples"]}
+    return done
 
 
 def _extract_parts(
-    cfg: ExtractConfig,
-    shard: Path,
-    blocks: list[tuple[int, int]],
-    todo: list[tuple[int, tuple[int, int]]],
-    aux_ids: list[int],
-    storage_dtype: str,
-    num_layers: int,
-    tokenizer: Any,
-    model: Any,
+    shard: Path, todo: list[tuple[int, tuple[int, int]]], storage_dtype: str, renderer: Any, engine: Any
 ) -> None:
-    dtype = next(model.parameters()).dtype
-    capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
+    """Three stages overlap: a helper process renders and tokenises the parts ahead (extract_render),
+    this thread runs the verifier, a writer thread encodes, hashes and writes the part before; parts
+    are written in order, one at a time, so a kill loses at most the two in flight."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
-    opts = SampleOptions(cfg.max_seq_len, cfg.truncate, cfg.chat_template_kwargs)
-    t0, rows_done, tokens_done = time.time(), 0, 0
+    rows_todo = sum(b - a for _, (a, b) in todo)
+    t0, done = time.time(), {"rows": 0, "tokens": 0}
+
+    def written(future: Future) -> None:
+        n, (a, b), num_samples, num_rejects, num_tokens = future.result()
+        done["rows"] += b - a
+        done["tokens"] += num_tokens
+        bar.update(b - a)
+        elapsed = time.time() - t0
+        log.info("part %05d | rows %d-%d | samples %d | rejected %d | tok/s %.0f | eta %.0fs", n, a, b,
+                 num_samples, num_rejects, done["tokens"] / max(elapsed, 1e-9),
+                 elapsed / done["rows"] * (rows_todo - done["rows"]))  # fmt: skip
+
+    pending: Future | None = None
     try:
-        for n, (a, b) in todo:
-            seen = _seen_ids(shard, blocks, n)
-            samples = []
-            tensors: dict[str, list[torch.Tensor]] = {}
-            accepted, rejects = block_samples(
-                read_rows(Path(cfg.data_path), a, b, cfg.data_split), tokenizer, opts, seen, cfg.data_path
-            )
-            sequences = [smp.input_ids for _, smp in accepted]
-            states = _forward_batched(model, capture, sequences, cfg.max_batch_tokens)
-            for (row, smp), (aux, last) in zip(accepted, states):
-                ids, mask = smp.input_ids, smp.loss_mask
-                stored = {
-                    "input_ids": torch.tensor(ids, dtype=torch.int32),
-                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                    **state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype),
-                }
-                for k, v in stored.items():
-                    tensors.setdefault(k, []).append(v)
-                info = {"id": smp.sample_id, "row": row, "num_tokens": len(ids)}
-                info["num_loss_tokens"] = int(sum(mask))
-                info["sha256"] = storage.sha256_tensors(stored)  # checked when the sample is read
-                if smp.truncated_from is not None:
-                    info["truncated_from"] = smp.truncated_from
-                samples.append(info)
-                tokens_done += len(ids)
-            _write_part(shard, n, samples, rejects, tensors, (a, b))
-            rows_done += b - a
-            bar.update(b - a)
-            elapsed = time.time() - t0
-            log.info(
-                "part %05d | rows %d-%d | samples %d | rejected %d | tok/s %.0f | eta %.0fs",
-                n,
-                a,
-                b,
-                len(samples),
-                len(rejects),
-                tokens_done / max(elapsed, 1e-9),
-                elapsed / rows_done * (sum(y - x for _, (x, y) in todo) - rows_done),
-            )
+        with ThreadPoolExecutor(1, thread_name_prefix="eagle3-write") as writer:
+            for n, rows, accepted, rejects in renderer.parts(todo, _seen_ids(shard, todo)):
+                states = engine([smp.input_ids for _, smp in accepted]) if accepted else []
+                if pending is not None:
+                    written(pending)
+                pending = writer.submit(_store_part, shard, n, rows, accepted, rejects, states, engine.dtype,
+                                        storage_dtype)  # fmt: skip
+            if pending is not None:
+                written(pending)
     finally:
         bar.close()
-        capture.remove()
+
+
+def _store_part(
+    shard: Path,
+    n: int,
+    rows: tuple[int, int],
+    accepted: list[tuple[int, Sample]],
+    rejects: list[dict[str, Any]],
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    storage_dtype: str,
+) -> tuple[int, tuple[int, int], int, int, int]:
+    samples = []
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for (row, smp), (aux, last) in zip(accepted, states, strict=True):
+        ids, mask = smp.input_ids, smp.loss_mask
+        stored = {
+            "input_ids": torch.tensor(ids, dtype=torch.int32),
+            "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+            **state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype),
+        }
+        for k, v in stored.items():
+            tensors.setdefault(k, []).append(v)
+        info = {"id": smp.sample_id, "row": row, "num_tokens": len(ids)}
+        info["num_loss_tokens"] = int(sum(mask))
+        info["sha256"] = storage.sha256_tensors(stored)  # checked when the sample is read
+        if smp.truncated_from is not None:
+            info["truncated_from"] = smp.truncated_from
+        samples.append(info)
+    _write_part(shard, n, samples, rejects, tensors, rows)
+    return n, rows, len(samples), len(rejects), sum(s["num_tokens"] for s in samples)
 
 
 def block_samples(
@@ -409,7 +454,8 @@ def _finish_shard(
         "config": config_to_dict(cfg),
         "versions": storage.versions(),
     }
-    meta["config"].pop("overwrite", None)
+    for key in ("overwrite", "serve", "vllm_python"):  # how it ran, not what it wrote
+        meta["config"].pop(key, None)
     storage.write_json_atomic(shard / storage.META_NAME, meta)
     storage.mark_complete(shard)
     for n in range(len(blocks)):  # only now: a crash before COMPLETE must find every finished part

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -54,21 +55,40 @@ def _worker_env() -> dict[str, str]:
 
 
 class WorkerSession:
-    """One vLLM worker process serving many requests (`with WorkerSession() as s: s.request({...})`)."""
+    """One vLLM worker process serving many requests (`with WorkerSession() as s: s.request({...})`),
+    or, given `address` (host:port), a client of a running server (`start_server`)."""
 
     MARK = "@@eagle3 "
 
-    def __init__(self, python: str | Path | None = None, log_path: Path | None = None):
-        ok, why = available(python)
-        if not ok:
-            raise UserError(f"vLLM engine unavailable: {why}")
+    def __init__(
+        self,
+        python: str | Path | None = None,
+        log_path: Path | None = None,
+        address: str | None = None,
+        probe: bool = True,
+    ):
+        self.address = address
+        if address is None and probe:  # (probe=False: the caller has checked the environment)
+            ok, why = available(python)
+            if not ok:
+                raise UserError(f"vLLM engine unavailable: {why}")
         self.python = Path(python) if python else default_python()
         self.tmp = tempfile.TemporaryDirectory(prefix="vllm-session-")
         self.log_path = log_path or Path(self.tmp.name) / "worker.log"
         self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
         self.count = 0
 
     def __enter__(self) -> WorkerSession:
+        if self.address is not None:
+            host, _, port = self.address.rpartition(":")
+            try:
+                self.sock = socket.create_connection((host, int(port)), timeout=30)
+            except OSError as e:
+                raise UserError(f"vLLM server at {self.address}: {e.strerror or e}") from None
+            self.sock.settimeout(None)
+            self._send, self._lines = self.sock.makefile("w"), self.sock.makefile("r")
+            return self
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [str(self.python), str(WORKER), "--session"],
@@ -78,35 +98,57 @@ class WorkerSession:
             stderr=self._log,
             text=True,
         )
+        self._send, self._lines = self.proc.stdin, self.proc.stdout
         return self
+
+    def start(self, fields: dict[str, Any]) -> float:
+        """Start the engine of a request (its prompts are not run) and wait: seconds it took."""
+        req = self._write_request(fields)
+        answer = self._exchange({"start": str(req)})
+        req.unlink()
+        return answer["started"]
 
     def request(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Send one request (the worker's request keys; engine dtype/TP filled in) and wait for it."""
-        import torch
-
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        self.count += 1
-        req = Path(self.tmp.name) / f"request-{self.count:06d}.json"
-        out = Path(self.tmp.name) / f"result-{self.count:06d}.json"
-        req.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
-        self.proc.stdin.write(json.dumps({"request": str(req), "out": str(out)}) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(self.MARK):
-                answer = json.loads(line[len(self.MARK) :])
-                break
-        else:
-            tail = "\n".join(self.log_path.read_text().strip().splitlines()[-15:])
-            raise UserError(f"vLLM worker exited (code {self.proc.wait()}):\n{tail}")
-        if "error" in answer:
-            cause = f" (root cause: {answer['root_cause']})" if answer.get("root_cause") else ""
-            raise UserError(f"vLLM worker: {answer['error']}{cause}")
+        req = self._write_request(fields)
+        out = req.with_name(req.name.replace("request-", "result-"))
+        self._exchange({"request": str(req), "out": str(out)})
         result = json.loads(out.read_text())
         req.unlink()
         out.unlink()
         return result
 
+    def _write_request(self, fields: dict[str, Any]) -> Path:
+        import torch
+
+        self.count += 1
+        req = Path(self.tmp.name) / f"request-{self.count:06d}.json"
+        req.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+        return req
+
+    def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._send.write(json.dumps(msg) + "\n")
+            self._send.flush()
+        except OSError:
+            pass  # the worker is gone: said below
+        for line in self._lines:
+            if line.startswith(self.MARK):
+                answer = json.loads(line[len(self.MARK) :])
+                break
+        else:
+            if self.proc is None:
+                raise UserError(f"vLLM server at {self.address} closed the connection (see its log)")
+            tail = "\n".join(self.log_path.read_text().strip().splitlines()[-15:])
+            raise UserError(f"vLLM worker exited (code {self.proc.wait()}):\n{tail}")
+        if "error" in answer:
+            cause = f" (root cause: {answer['root_cause']})" if answer.get("root_cause") else ""
+            raise UserError(f"vLLM worker: {answer['error']}{cause}")
+        return answer
+
     def __exit__(self, *exc: Any) -> None:
+        if self.sock is not None:
+            self.sock.close()
         if self.proc is not None:
             try:
                 if self.proc.stdin:
@@ -114,8 +156,37 @@ class WorkerSession:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self._log.close()
+            self._log.close()
         self.tmp.cleanup()
+
+
+def start_server(
+    fields: dict[str, Any], log_path: Path, python: str | Path | None = None, listen: str = "127.0.0.1:0"
+) -> tuple[subprocess.Popen, str]:
+    """A vLLM worker serving the engine of `fields` (a request without prompts) on loopback: (process,
+    host:port) once its engine has started. Its log (vLLM's) goes to `log_path`."""
+    import torch
+
+    ok, why = available(python)
+    if not ok:
+        raise UserError(f"vLLM engine unavailable: {why}")
+    py = Path(python) if python else default_python()
+    request = log_path.with_suffix(".request.json")
+    request.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(
+            [str(py), str(WORKER), "--serve", listen, "--request", str(request)],
+            env=_worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(WorkerSession.MARK):
+            return proc, json.loads(line[len(WorkerSession.MARK) :])["listening"]
+    tail = "\n".join(log_path.read_text().strip().splitlines()[-15:])
+    raise UserError(f"vLLM server did not start (exit {proc.wait()}), {log_path}:\n{tail}")
 
 
 def generate(

@@ -19,7 +19,17 @@ Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens
 
 Session mode keeps one engine for many requests (the verifier loads once): each stdin line is
 {"request": REQ.json, "out": OUT.json}; the answer is one stdout line `@@eagle3 {"out": ...}` or
-`@@eagle3 {"error": ...}`. The engine is rebuilt only when the engine settings change.
+`@@eagle3 {"error": ...}`. The engine is rebuilt only when the engine settings change. A line
+{"start": REQ.json} starts the request's engine without running it (answer {"started": seconds}).
+
+    <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --serve 127.0.0.1:0 --request REQ.json
+
+Server mode: the engine of REQ.json (its prompts may be absent), then clients on that address (one at
+a time) send session lines; a request with other engine settings is refused. Stops at SIGTERM.
+
+Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
+extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
+(hidden_states [tokens, layers, hidden], ascending layer order; token_ids), complete when answered.
 
 OUT.json (written atomically):
     {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
@@ -157,6 +167,22 @@ def load_request(path: str) -> dict:
         raise RequestError(f"request {path} is not valid JSON: {e}") from None
     if not isinstance(req, dict):
         raise RequestError("request must be a JSON object")
+    task = req.setdefault("task", "generate")
+    if task not in ("generate", "extract"):
+        raise RequestError(f"task {task!r}: use generate or extract")
+    if task == "extract":  # hidden states of the prompts, one token generated
+        req.setdefault("max_new_tokens", 1)
+        layers = req.get("layer_ids")
+        if not isinstance(layers, list) or not layers or not all(_is_int(i) and i >= 0 for i in layers):
+            raise RequestError("layer_ids must be a non-empty list of non-negative ints (extract)")
+        if not isinstance(req.get("storage_path"), str):
+            raise RequestError("storage_path must be a folder path (extract)")
+        if not _is_int(req.get("max_model_len")):
+            raise RequestError("max_model_len must be an int (extract: the longest prompt + 1)")
+        overrides = req.get("engine_overrides", {})
+        if not isinstance(overrides, dict):
+            raise RequestError("engine_overrides must be an object of LLM(...) arguments")
+        req.setdefault("prompts", None)  # none: the engine of a server (--serve), no prompt run
     for key in ("verifier", "prompts", "max_new_tokens"):
         if key not in req:
             raise RequestError(f"request lacks required key {key!r}")
@@ -166,7 +192,9 @@ def load_request(path: str) -> dict:
     if draft is not None and (not isinstance(draft, str) or not os.path.isdir(draft)):
         raise RequestError(f"draft is neither null nor a directory: {draft!r}")
     prompts = req["prompts"]
-    if not isinstance(prompts, list) or not prompts:
+    if prompts is None and task == "extract":
+        prompts = []
+    elif not isinstance(prompts, list) or not prompts:
         raise RequestError("prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
         if not isinstance(p, list) or not p or not all(_is_int(t) and t >= 0 for t in p):
@@ -259,8 +287,12 @@ def write_json_atomic(path: str, obj: dict) -> None:
 # (The other CPU-only fix, a block size EAGLE-3's attention shares with CPU MLA, is the plugin in
 # scripts/vllm_cpu_plugin, installed by scripts/setup_vllm_cpu.sh.)
 CPU_ONLY_ENGINE_SETTINGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
-ENGINE_KEYS = ("verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
-               "tensor_parallel_size", "trust_remote_code", "enforce_eager")  # fmt: skip
+ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
+               "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
+               "engine_overrides")  # fmt: skip
+# The CPU build's replacement for vLLM's hidden-states connector (scripts/vllm_cpu_plugin/connector.py)
+CPU_CONNECTOR = {"kv_connector": "CpuHiddenStatesConnector",
+                 "kv_connector_module_path": "eagle3_vllm_cpu.connector"}  # fmt: skip
 
 
 def _text_config(verifier: str) -> dict:
@@ -274,7 +306,9 @@ def _text_config(verifier: str) -> dict:
 
 def _has_routed_experts(verifier: str) -> bool:
     text = _text_config(verifier)
-    if text.get("n_routed_experts") and text.get("first_k_dense_replace", 0) >= text.get("num_hidden_layers", 1):
+    if text.get("n_routed_experts") and text.get("first_k_dense_replace", 0) >= text.get(
+        "num_hidden_layers", 1
+    ):
         return False  # DeepSeek-V3 with every layer dense (the tier's tiny MLA verifier): no MoE kernel runs
     return bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
 
@@ -296,8 +330,10 @@ def engine_kwargs(req: dict) -> dict:
 
     k = req["num_speculative_tokens"]
     draft = req.get("draft")
-    needed = max(len(p) for p in req["prompts"]) + req["max_new_tokens"] + k + 1
-    max_model_len = req.get("max_model_len") or max(DEFAULT_MAX_MODEL_LEN, needed)
+    max_model_len = req.get("max_model_len")
+    if not max_model_len:
+        needed = max(len(p) for p in req["prompts"]) + req["max_new_tokens"] + k + 1
+        max_model_len = max(DEFAULT_MAX_MODEL_LEN, needed)
     seed = req.get("seed")
     kwargs = dict(
         model=req["verifier"],
@@ -312,12 +348,31 @@ def engine_kwargs(req: dict) -> dict:
     )
     if draft is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    if req["task"] == "extract":
+        # vLLM's extract_hidden_states method: the states at layer_ids (ascending; id = number of layers
+        # is the last layer's pre-norm output) go through its KV cache to one safetensors file per
+        # request, written by the hidden-states connector into storage_path
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": req["layer_ids"]}},
+        }
+        connector = {"kv_connector": "ExampleHiddenStatesConnector"}
+        if current_platform.is_cpu():
+            connector = dict(CPU_CONNECTOR)
+        kwargs["kv_transfer_config"] = {
+            **connector,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": req["storage_path"]},
+        }
+        kwargs["enable_prefix_caching"] = False  # a part's states must not depend on the parts before it
     if current_platform.is_cpu():
         kwargs.update(CPU_ONLY_ENGINE_SETTINGS, dtype=cpu_dtype(req))
         if kwargs["dtype"] == "float32" and _text_config(req["verifier"]).get("kv_lora_rank"):
             # MLA on a CPU with AMX tiles picks AMX_MLA, which packs bfloat16 weights only ("expect weight
             # to be bfloat16, ..."): the reference CPU_MLA backend runs float32
             kwargs["attention_config"] = {"backend": "CPU_MLA"}
+    kwargs.update(req.get("engine_overrides") or {})  # tests: e.g. the negative control's settings
     return kwargs
 
 
@@ -368,6 +423,8 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
         detokenize=False,
         seed=seed,
     )
+    if req["task"] == "extract":
+        return _extract(llm, req, params, startup_s)
     before = snapshot_counters(llm)
     t0 = time.perf_counter()
     results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
@@ -387,47 +444,170 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     return out
 
 
+def _extract(llm, req: dict, params, startup_s: float) -> dict:
+    """{"paths": one safetensors file per prompt (hidden_states [tokens, layers, hidden] in ascending
+    layer order, token_ids), complete when returned; the caller deletes them}."""
+    import fcntl
+
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    if not req["prompts"]:
+        raise RequestError("an extract request needs prompts")
+    storage = req["storage_path"]
+    os.makedirs(storage, exist_ok=True)
+    for name in os.listdir(storage):  # left by a client that died before deleting them
+        os.unlink(os.path.join(storage, name))
+    t0 = time.perf_counter()
+    results = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params, use_tqdm=False
+    )
+    paths = []
+    for r in results:
+        path = (r.kv_transfer_params or {}).get("hidden_states_path")
+        if path is None:
+            raise RuntimeError(f"request {r.request_id}: vLLM returned no hidden_states_path")
+        with open(path + ".lock") as lock:  # the connector's writer holds it until the file is complete
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        os.unlink(path + ".lock")
+        paths.append(path)
+    return {
+        "paths": paths,
+        "vllm_version": vllm.__version__,
+        "startup_s": round(startup_s, 3),
+        "generate_s": round(time.perf_counter() - t0, 3),
+    }
+
+
 SESSION_MARK = "@@eagle3 "
+
+
+class Engines:
+    """The engine of a session or a server: rebuilt when a request's engine settings change, or, when
+    `fixed` (a server), kept and requests with other settings refused."""
+
+    def __init__(self, fixed: dict | None = None):
+        self.llm, self.key, self.kwargs = None, None, None
+        self.fixed = fixed is not None
+        if fixed is not None:
+            self.start(fixed)
+
+    def start(self, req: dict) -> float:
+        from vllm import LLM
+
+        if self.llm is not None:
+            _shutdown(self.llm)
+        t0 = time.perf_counter()
+        self.kwargs = engine_kwargs(req)
+        self.llm, self.key = LLM(**self.kwargs), engine_key(req)
+        startup_s = time.perf_counter() - t0
+        kw = self.kwargs
+        line = f"{req['task']} | {req['verifier']} | {kw['dtype']} | tp {kw['tensor_parallel_size']}"
+        print(f"vllm_worker: engine started | {line} | {startup_s:.1f}s", file=sys.stderr, flush=True)
+        return startup_s
+
+    def answer(self, line: str, relay: StderrRelay) -> dict:
+        """One request line -> its answer (the result is written to the line's "out" file)."""
+        try:
+            msg = json.loads(line)
+            if "start" in msg:  # start the engine of this request now; its prompts are not run
+                req = load_request(msg["start"])
+                if self.llm is None or engine_key(req) != self.key:
+                    return {"started": 0.0 if self.fixed else self.start(req)}
+                return {"started": 0.0}
+            req = load_request(msg["request"])
+            startup_s = 0.0
+            if self.llm is None or engine_key(req) != self.key:
+                if self.fixed:
+                    raise RequestError(
+                        "this server's engine has other settings (verifier, layers, dtype, ...): start a "
+                        "server for them, or use this one's"
+                    )
+                startup_s = self.start(req)
+            seed = req.get("seed")
+            result = _generate(self.llm, req, startup_s, 0 if seed is None else seed)
+            write_json_atomic(msg["out"], {**result, "engine_dtype": self.kwargs["dtype"]})
+            return {"out": msg["out"]}
+        except Exception as e:  # one clear line per failed request; the session goes on
+            cause = root_cause(relay.lines)
+            return {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000], "root_cause": cause}
+
+    def close(self) -> None:
+        if self.llm is not None:
+            _shutdown(self.llm)
+            storage = (self.kwargs.get("kv_transfer_config") or {}).get("kv_connector_extra_config", {})
+            if storage.get("shared_storage_path"):  # the connector's folder: its files are read by now
+                import shutil
+
+                shutil.rmtree(storage["shared_storage_path"], ignore_errors=True)
+
+
+def engine_key(req: dict) -> str:
+    return json.dumps([req.get(k) for k in ENGINE_KEYS])
 
 
 def session() -> int:
     """Many requests, one engine while the engine settings stay the same (see the module docstring)."""
     import logging
 
-    from vllm import LLM
-
     logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)  # as in run()
-    llm, key = None, None
     relay = StderrRelay()
+    import vllm  # noqa: F401 - now, while the client prepares its first request
+
+    engines = Engines()
     try:
         for line in sys.stdin:
-            if not line.strip():
-                continue
-            answer: dict = {}
-            try:
-                msg = json.loads(line)
-                req = load_request(msg["request"])
-                new_key = json.dumps([req.get(k) for k in ENGINE_KEYS])
-                if llm is None or new_key != key:
-                    if llm is not None:
-                        _shutdown(llm)
-                    t0 = time.perf_counter()
-                    kwargs = engine_kwargs(req)
-                    llm, key = LLM(**kwargs), new_key
-                    startup_s = time.perf_counter() - t0
-                else:
-                    startup_s = 0.0
-                seed = req.get("seed")
-                result = _generate(llm, req, startup_s, 0 if seed is None else seed)
-                write_json_atomic(msg["out"], {**result, "engine_dtype": kwargs["dtype"]})
-                answer = {"out": msg["out"]}
-            except Exception as e:  # one clear line per failed request; the session goes on
-                cause = root_cause(relay.lines)
-                answer = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000], "root_cause": cause}
-            print(SESSION_MARK + json.dumps(answer), flush=True)
+            if line.strip():
+                print(SESSION_MARK + json.dumps(engines.answer(line, relay)), flush=True)
     finally:
-        if llm is not None:
-            _shutdown(llm)
+        engines.close()
+        relay.stop()
+    sys.stdout.flush()
+    os._exit(0)  # the engine has stopped: skip the seconds of tearing down vLLM's modules (the client waits)
+
+
+def serve(request: str, listen: str) -> int:
+    """A server on `listen` (host:port, port 0: any free one) for clients on this machine: the engine of
+    `request` starts first (its prompts are not run), then one stdout line `@@eagle3 {"listening":
+    "host:port"}`; each client connection sends session lines and reads their answers, one client at a
+    time (a part's states never depend on another client's requests). Stops at SIGTERM or SIGINT."""
+    import logging
+    import signal
+    import socket
+
+    logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    host, _, port = listen.rpartition(":")
+    relay = StderrRelay()
+    engines = None
+    try:
+        engines = Engines(fixed=load_request(request))
+        with socket.create_server((host or "127.0.0.1", int(port))) as server:
+            address = "{}:{}".format(*server.getsockname()[:2])
+            print(SESSION_MARK + json.dumps({"listening": address, "pid": os.getpid()}), flush=True)
+            while True:
+                conn, _ = server.accept()
+                with (
+                    conn,
+                    conn.makefile("r", encoding="utf-8") as rf,
+                    conn.makefile("w", encoding="utf-8") as wf,
+                ):
+                    try:
+                        for line in rf:
+                            if line.strip():
+                                wf.write(SESSION_MARK + json.dumps(engines.answer(line, relay)) + "\n")
+                                wf.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the client went away; the next one is served
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:
+        print(f"vllm_worker: error: {' '.join(f'{type(e).__name__}: {e}'.split())[:2000]}"
+              f" (root cause: {root_cause(relay.lines)})", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    finally:
+        if engines is not None:
+            engines.close()
         relay.stop()
     return 0
 
@@ -437,9 +617,16 @@ def main(argv=None) -> int:
     ap.add_argument("--request", help="request JSON file")
     ap.add_argument("--out", help="output JSON file (written atomically)")
     ap.add_argument("--session", action="store_true", help="serve requests named on stdin (one engine)")
+    ap.add_argument(
+        "--serve", metavar="HOST:PORT", help="serve clients on this address (the --request's engine)"
+    )
     args = ap.parse_args(argv)
     if args.session:
         return session()
+    if args.serve:
+        if not args.request:
+            ap.error("--serve needs --request (the engine's settings)")
+        return serve(args.request, args.serve)
     if not (args.request and args.out):
         ap.error("--request and --out are required (or --session)")
     try:

