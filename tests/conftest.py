@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,24 @@ def run_script(
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def popen_script(args: list[str], cwd: Path) -> subprocess.Popen:
+    """A stage script started in the background (stderr kept), to be killed or stopped by the test."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout_s: float = 600) -> None:
+    """SIGKILL `proc` as soon as `ready()` holds (it must still be running then)."""
+    deadline = time.time() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()[-2000:]}"
+        assert time.time() < deadline, "timed out waiting to kill"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
 
 
 def script(name: str) -> str:

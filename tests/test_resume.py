@@ -3,39 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from conftest import DATA, REPO, extract_args, run_script, script, shard_of
-
-
-def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _kill_when(proc: subprocess.Popen, ready, timeout_s: float = 600) -> None:
-    deadline = time.time() + timeout_s
-    while not ready():
-        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()[-2000:]}"
-        assert time.time() < deadline, "timed out waiting to kill"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+from conftest import DATA, REPO, extract_args, kill_when, popen_script, run_script, script, shard_of
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -72,9 +47,9 @@ def test_extraction_killed_then_rerun_is_byte_identical(tiny_verifier, tmp_path)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     run_script(*args, cwd=tmp_path / "a")  # uninterrupted
-    proc = _popen(args, tmp_path / "b")
+    proc = popen_script(args, tmp_path / "b")
     shard_b = tmp_path / "b" / "hs" / "rows_00000000-00000010"
-    _kill_when(proc, lambda: (shard_b / "part-00001.json").exists())
+    kill_when(proc, lambda: (shard_b / "part-00001.json").exists())
     assert not (shard_b / "COMPLETE").exists()
     rerun = run_script(*args, cwd=tmp_path / "b")
     to_do = int(re.search(r"(\d+) to do", rerun.stderr).group(1))
@@ -158,7 +133,7 @@ def _train_args(tiny_run: Path, out: Path) -> list[str]:
 
 def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_run, tmp_path):
     run_script(*_train_args(tiny_run, tmp_path / "straight"))
-    proc = _popen(_train_args(tiny_run, tmp_path / "killed"), REPO)
+    proc = popen_script(_train_args(tiny_run, tmp_path / "killed"), REPO)
     log = tmp_path / "killed" / "train_log.jsonl"
 
     def past_first_checkpoint() -> bool:  # killed at step 5 or 6: after step_000004, before step_000008
@@ -169,7 +144,7 @@ def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_r
             return False
         return any(json.loads(x)["step"] >= 5 for x in log.read_text().splitlines() if x.strip())
 
-    _kill_when(proc, past_first_checkpoint)
+    kill_when(proc, past_first_checkpoint)
     assert not (tmp_path / "killed" / "checkpoints" / "step_000012").exists()
     resumed = run_script(*_train_args(tiny_run, tmp_path / "killed"))
     assert re.search(r"resumed from .*step_0000(04|08)", resumed.stderr), resumed.stderr[-1500:]
@@ -178,7 +153,7 @@ def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_r
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_130(tiny_run, tmp_path):
-    proc = _popen(_train_args(tiny_run, tmp_path / "t"), REPO)
+    proc = popen_script(_train_args(tiny_run, tmp_path / "t"), REPO)
     log = tmp_path / "t" / "train_log.jsonl"
     deadline = time.time() + 600
     while not (log.exists() and log.read_text().strip()):
@@ -204,8 +179,8 @@ def test_export_killed_midway_leaves_the_good_export_in_place(tiny_run, tmp_path
         "--checkpoint",
         "latest",
     ]
-    proc = _popen(args, REPO)
-    _kill_when(proc, lambda: (tmp_path / "draft.tmp" / "model.safetensors").exists())
+    proc = popen_script(args, REPO)
+    kill_when(proc, lambda: (tmp_path / "draft.tmp" / "model.safetensors").exists())
     assert _tree_bytes(out) == before
     run_script(*args)
     assert (out / "COMPLETE").exists() and not (tmp_path / "draft.tmp").exists()

@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVERSATIONS, REPO, extract_args, run_script
+from conftest import CONVERSATIONS, extract_args, kill_when, popen_script, run_script
 
 from eagle3_pipeline import vllm_engine
 
@@ -50,12 +48,6 @@ def _args(verifier: Path, out_dir: Path | str, *extra: str) -> list[str]:
         "1024",
         *extra,
     ]
-
-
-def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +140,9 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
 def test_vllm_extraction_killed_then_rerun_is_byte_identical(verifier, vllm_run, tmp_path):
     out = tmp_path / "hs"
     args = _args(verifier, "hs", "--engine", "vllm", "--start-row", "0", "--end-row", "4")
-    proc = _popen(args, tmp_path)
+    proc = popen_script(args, tmp_path)
     shard = out / "rows_00000000-00000004"
-    deadline = time.time() + 900
-    while not (shard / "part-00000.json").exists():
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
-        assert time.time() < deadline, "timed out waiting to kill"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, lambda: (shard / "part-00000.json").exists(), timeout_s=900)
     assert not (shard / "COMPLETE").exists()
     # its worker sees its client gone, stops its engine and removes the connector's folder
     deadline = time.time() + 300
@@ -176,7 +162,7 @@ def test_a_shard_loop_against_one_vllm_server_loads_once_and_writes_the_same_sha
 ):
     out = tmp_path / "hs"
     serve = _args(verifier, "hs", "--engine", "vllm", "--serve")
-    server = _popen(serve, tmp_path)
+    server = popen_script(serve, tmp_path)
     try:
         deadline = time.time() + 900
         while not (out / "vllm-server.json").exists():
