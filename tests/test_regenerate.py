@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import torch
-from conftest import CONVERSATIONS, read_jsonl, run_script, script
-from test_resume import _kill_when, _popen, _tree_bytes
+from conftest import CONVERSATIONS, kill_when, popen_script, read_jsonl, run_script, script
+from test_resume import _tree_bytes
 
 MAX_NEW = 24
 
@@ -79,8 +79,8 @@ def test_regeneration_killed_then_rerun_is_byte_identical(tiny_llama_verifier, t
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     run_script(*_args(tiny_llama_verifier, data, "regen"), cwd=tmp_path / "a")
-    proc = _popen(_args(tiny_llama_verifier, data, "regen"), tmp_path / "b")
-    _kill_when(proc, lambda: (tmp_path / "b" / "regen" / "part-00000.jsonl").exists())
+    proc = popen_script(_args(tiny_llama_verifier, data, "regen"), tmp_path / "b")
+    kill_when(proc, lambda: (tmp_path / "b" / "regen" / "part-00000.jsonl").exists())
     assert not (tmp_path / "b" / "regen" / "COMPLETE").exists()
     rerun = run_script(*_args(tiny_llama_verifier, data, "regen"), cwd=tmp_path / "b")
     assert 0 < int(re.search(r"(\d+) to do", rerun.stderr).group(1)) < 3, rerun.stderr[-1500:]
