@@ -4,17 +4,27 @@
 Inputs:  an export folder (stage 05), the verifier (default: the one the export records) and
          conversations whose first user turn(s) become prompts (--start-row, --num-prompts), rendered
          with the chat_template_kwargs the training shards were extracted with (or --chat-template-kwargs).
-Engines: sim   this project's PyTorch run of vLLM's greedy EAGLE-3 chain, reading the export files
+Sampling: greedy by default; --temperature/--top-p/--top-k/--seed as the requests are served (Kimi-K2.5's
+         thinking mode: --temperature 1.0 --top-p 0.95; instant mode 0.6 / 0.95), request i seeded
+         seed + i, --samples-per-prompt independent draws per prompt. vLLM drafts the draft's argmax and
+         accepts it with the verifier's probability of it after temperature/top-k/top-p; the simulation
+         samples the verifier's trace and reports the exact expected acceptance per position.
+Engines: sim   this project's PyTorch run of vLLM's EAGLE-3 chain, reading the export files
                exactly as vLLM does (head_dim, aux ids, d2t and norm flags from config.json);
          vllm  the real vLLM engine in its own environment (scripts/setup_vllm_cpu.sh on CPU);
-         both  the two on the same prompts, checking that vLLM's speculative output equals the
-               verifier's greedy output token for token and that per-position acceptance agrees
-               within 0.01 (exit 1 otherwise; the simulation's counters equal vLLM's in fp32).
-Output:  acceptance_<engine>.json in the export folder (or --out-dir): counters as vLLM names them
-         (num_drafts, num_accepted_tokens, accepted_per_pos), rates, mean acceptance length.
+         both  the two on the same prompts. Greedy: vLLM's speculative output must equal the verifier's
+               greedy output token for token and per-position acceptance agree within 0.01 (the
+               counters are equal in fp32). Sampled: the rates must agree within 3 standard deviations
+               of their difference, from the simulation's per-request spread (the tolerance is printed
+               and written). Exit 1 otherwise.
+Output:  acceptance_<engine>.json in the export folder (or --out-dir; sampled runs add _t<T>_p<top_p>):
+         counters as vLLM names them (num_drafts, num_accepted_tokens, accepted_per_pos), rates, mean
+         acceptance length; sampled simulations also the expected counts and their standard errors.
 
 Examples:
   python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/mtbench.jsonl --num-prompts 80
+  python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/mtbench.jsonl --num-prompts 80 \
+      --temperature 1.0 --top-p 0.95 --samples-per-prompt 4          # as thinking mode is served
   python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/val.jsonl --engine vllm \
       --vllm-python $(which python)
   python 06_evaluate.py --config configs/tiny.toml --engine both

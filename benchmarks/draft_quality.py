@@ -14,8 +14,10 @@
      AdamW in place of Muon on CPU),
    - `project`: 04_train.py with its defaults (only the benchmark's sizes given).
 4. Both exported by 05_export.py (behind the gate) and served in vLLM's engine (the project's vLLM
-   environment, one worker session) at k = 3 on the held-out prompts (greedy, lossless checked), with
-   this project's simulation of the same (its predicted AL) beside.
+   environment, one worker session) on the held-out prompts at each serving setting: greedy (lossless
+   checked) and Kimi-K2.5's thinking mode (temperature 1.0, top_p 0.95, seeded draws), at k = 3 and
+   k = 5, with this project's simulation of the same (its predicted AL; sampled: the exact expectation)
+   beside. `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy.
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
 factor of the project's recipe changed at a time (on the regenerated data).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
@@ -37,7 +39,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-K = 3
+K = 3  # the headline k; SERVED_KS are all evaluated
+SERVED_KS = (3, 5)
+# Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default)
+SETTINGS = {"greedy": {}, "thinking": {"temperature": 1.0, "top_p": 0.95}}
+SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws)
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
 SPECULATORS_ROW = "speculators 0.9.0 defaults"
@@ -167,35 +173,93 @@ def heldout_prompts(work: Path) -> list[list[int]]:
     return build_prompts(tok, work / "data" / "heldout.jsonl", 0, 10**6)
 
 
-def verifier_traces(work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int]) -> list[tuple]:
-    """The verifier's greedy continuation and aux states per prompt, computed once for every draft."""
-    import torch
-
-    from eagle3_pipeline.acceptance import trace_length, verifier_greedy_with_aux
-    from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model, verifier_facts
-
-    facts = verifier_facts(work / "verifier")
-    model = load_verifier_model(work / "verifier", torch.float32, trust_remote_code=False)
-    capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), aux_ids)
-    try:
-        return [verifier_greedy_with_aux(model, capture, p, trace_length(max_new, K)) for p in prompts]
-    finally:
-        capture.remove()
+def setting_key(setting: str, k: int) -> str:
+    return f"{setting}/k{k}"
 
 
-def simulate(
-    work: Path, draft_dir: Path, prompts: list[list[int]], traces: list[tuple], max_new: int
-) -> tuple[dict, list]:
-    """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
-    from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence
-    from eagle3_pipeline.reference_draft import ReferenceDraft
-    from eagle3_pipeline.verifier import load_verifier_tensors
+class Evaluator:
+    """The verifier loaded once; per (setting, k) the held-out requests' traces (greedy, or sampled from
+    p~ with request i seeded i, as 06_evaluate does), shared by every draft; sampled drafts also get the
+    verify pass over their off-trace drafts (06_evaluate's simulation)."""
 
-    draft = ReferenceDraft(draft_dir, load_verifier_tensors(work / "verifier", False)["embed_tokens"])
-    counts = AcceptanceCounts(K)
-    for p, (seq, aux) in zip(prompts, traces):
-        simulate_sequence(draft, aux, seq, len(p), K, counts, max_new)
-    return counts.summary(), [seq[len(p) : len(p) + max_new].tolist() for p, (seq, _) in zip(prompts, traces)]
+    def __init__(self, work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int]):
+        from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model
+        from eagle3_pipeline.verifier import load_verifier_tensors, verifier_facts
+
+        import torch
+
+        self.work, self.prompts, self.max_new = work, prompts, max_new
+        facts = verifier_facts(work / "verifier")
+        self.model = load_verifier_model(work / "verifier", torch.float32, trust_remote_code=False)
+        self.capture = AuxCapture(find_decoder_layers(self.model, facts.num_hidden_layers), aux_ids)
+        self.embed = load_verifier_tensors(work / "verifier", False)["embed_tokens"]
+        self.traces: dict[str, tuple[list[list[int]], list[tuple]]] = {}
+
+    def requests(self, setting: str) -> list[list[int]]:
+        n = 1 if setting == "greedy" else SAMPLES_PER_PROMPT
+        return [p for p in self.prompts for _ in range(n)]
+
+    def sampling(self, setting: str):
+        from eagle3_pipeline.acceptance import Sampling
+
+        return Sampling(**SETTINGS[setting])
+
+    def trace(self, setting: str, k: int) -> tuple[list[list[int]], list[tuple]]:
+        import torch
+
+        from eagle3_pipeline.acceptance import trace_length, verifier_trace_with_aux
+
+        key = setting_key(setting, k)
+        if key not in self.traces:
+            reqs, sampling = self.requests(setting), self.sampling(setting)
+            self.traces[key] = reqs, [
+                verifier_trace_with_aux(self.model, self.capture, p, trace_length(self.max_new, k), sampling,
+                                        torch.Generator().manual_seed(i))
+                for i, p in enumerate(reqs)
+            ]  # fmt: skip
+        return self.traces[key]
+
+    def simulate(self, draft_dir: Path, setting: str, k: int) -> tuple[dict, list]:
+        """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
+        from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, verify_pass
+        from eagle3_pipeline.reference_draft import ReferenceDraft
+
+        draft = ReferenceDraft(draft_dir, self.embed)
+        sampling = self.sampling(setting)
+        verify = None if sampling.greedy else verify_pass(self.model, self.capture, sampling)
+        counts = AcceptanceCounts(k)
+        reqs, traces = self.trace(setting, k)
+        for p, (seq, aux, probs) in zip(reqs, traces):
+            simulate_sequence(draft, aux, seq, len(p), k, counts, self.max_new, probs, verify)
+        outputs = [seq[len(p) : len(p) + self.max_new].tolist() for p, (seq, _, _) in zip(reqs, traces)]
+        return counts.summary(sampled=not sampling.greedy), outputs
+
+
+def serve_in_vllm(work: Path, rows: list[dict], ev: Evaluator, max_new: int) -> None:
+    """The headline rows served in vLLM at every (setting, k), one worker session (an engine per draft
+    and k; the settings are per request); greedy outputs checked against the engine's plain greedy."""
+    from eagle3_pipeline.vllm_engine import WorkerSession, sampling_fields
+
+    with WorkerSession(log_path=work / "vllm_worker.log") as session:
+        base = {"verifier": str(work / "verifier"), "max_new_tokens": max_new}
+        plain = session.request({**base, "prompts": ev.prompts, "draft": None, "num_speculative_tokens": 0})
+        for row in rows:
+            if row.get("ablation"):
+                continue
+            row["vllm"] = {}
+            for k in SERVED_KS:
+                for st in SETTINGS:
+                    reqs = ev.requests(st)
+                    res = session.request({**base, "prompts": reqs, "draft": row["draft"],
+                                           "num_speculative_tokens": k,
+                                           **sampling_fields(ev.sampling(st), len(reqs))})  # fmt: skip
+                    row["vllm"][setting_key(st, k)] = {x: v for x, v in res.items() if x != "outputs"}
+                    if st == "greedy" and k == K:
+                        # lossless: the speculative output is the verifier's own greedy output, same engine
+                        row["lossless"] = res["outputs"] == plain["outputs"]
+                        row["vllm_greedy_equals_sim_greedy"] = sum(
+                            x == y for x, y in zip(res["outputs"], row["greedy"])
+                        ) / len(ev.prompts)
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
@@ -237,11 +301,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
         "--out-dir", str(work / "data/regenerated"), "--engine", engine, "--max-new-tokens", "320",
         "--max-seq-len", "1024"], log, a.threads)  # fmt: skip
+    sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
+        "--out-dir", str(work / "data/regenerated_t1"), "--engine", engine, "--max-new-tokens", "320",
+        "--max-seq-len", "1024", "--temperature", "1.0", "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
     draft_vocab = 1024
     datasets = {
         "given": prepare(work, "given", work / "data/given.jsonl", log, a.threads, draft_vocab),
         "regenerated": prepare(work, "regenerated", work / "data/regenerated/conversations.jsonl", log, a.threads,
                                draft_vocab),
+        "regenerated_t1": prepare(work, "regenerated_t1", work / "data/regenerated_t1/conversations.jsonl", log,
+                                  a.threads, draft_vocab),
     }  # fmt: skip
     prompts = heldout_prompts(work)
     rows: list[dict[str, Any]] = []
@@ -285,39 +354,23 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"
     ]
-    traces = verifier_traces(work, prompts, a.max_new_tokens, aux_ids)
+    ev = Evaluator(work, prompts, a.max_new_tokens, aux_ids)
+    grid = [(st, k) for st in SETTINGS for k in SERVED_KS]
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
             "/ablation" if row.get("ablation") and not row["recipe"].endswith(" shards") else ""
         )
-        row["sim"], greedy = simulate(work, drafts[key], prompts, traces, a.max_new_tokens)
-        row["greedy"] = greedy
+        row["draft"] = str(drafts[key])
+        row["sim"], row["greedy"] = {}, None
+        for st, k in grid if not row.get("ablation") else [(st, K) for st in SETTINGS]:
+            row["sim"][setting_key(st, k)], outputs = ev.simulate(drafts[key], st, k)
+            if st == "greedy" and k == K:
+                row["greedy"] = outputs
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
-        print(
-            f"sim | {row['recipe']} | {row['data']} | AL {row['sim']['mean_acceptance_length']:.3f}",
-            flush=True,
-        )
+        print(f"sim | {row['recipe']} | {row['data']} | " + " | ".join(
+            f"{sk} AL {r['mean_acceptance_length']:.3f}" for sk, r in row["sim"].items()), flush=True)  # fmt: skip
     if not (a.no_vllm or a.sim_only):
-        from eagle3_pipeline.vllm_engine import WorkerSession
-
-        with WorkerSession(log_path=work / "vllm_worker.log") as session:
-            base = {
-                "verifier": str(work / "verifier"),
-                "prompts": prompts,
-                "max_new_tokens": a.max_new_tokens,
-            }
-            plain = session.request({**base, "draft": None, "num_speculative_tokens": 0})
-            for row in rows:
-                if row.get("ablation"):
-                    continue
-                draft = str(drafts[f"{row['recipe']}/{row['data']}"])  # headline rows only
-                res = session.request({**base, "draft": draft, "num_speculative_tokens": K})
-                row["vllm"] = {k: v for k, v in res.items() if k != "outputs"}
-                # lossless: the speculative output is the verifier's own greedy output in the same engine
-                row["lossless"] = res["outputs"] == plain["outputs"]
-                row["vllm_greedy_equals_sim_greedy"] = sum(
-                    x == y for x, y in zip(res["outputs"], row["greedy"])
-                ) / len(prompts)
+        serve_in_vllm(work, rows, ev, a.max_new_tokens)
     for row in rows:
         row.pop("greedy")
     report = {
@@ -326,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "verifier": {k: v for k, v in vstats.items() if k != "config"},
         "num_prompts": len(prompts),
         "max_new_tokens": a.max_new_tokens,
-        "k": K,
+        "served_ks": list(SERVED_KS),
+        "settings": SETTINGS,
+        "samples_per_prompt": SAMPLES_PER_PROMPT,
         "rows": rows,
         "seconds": round(time.time() - t_start),
     }
@@ -337,38 +392,39 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     return 0
 
 
-def _al(row: dict, engine: str) -> float | None:
-    r = row.get(engine)
+def _al(row: dict, engine: str, key: str) -> float | None:
+    r = row.get(engine, {}).get(key)
     return None if r is None else r["mean_acceptance_length"]
 
 
 def _print_table(report: dict) -> None:
-    print(
-        f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens, k={K}"
-    )
-    print(
-        "| recipe | data | steps | vLLM AL | per position (vLLM) | sim AL | rejected/step (k+1-AL) | lossless |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens")
+    keys = [setting_key(st, k) for st in SETTINGS for k in SERVED_KS]
+    print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")
+    print("|---|---|---|" + "---|" * len(keys) + "---|")
     for row in report["rows"]:
-        v, s = _al(row, "vllm"), _al(row, "sim")
-        per = row.get("vllm", row["sim"])["acceptance_rate_per_pos"]
-        best = v if v is not None else s
-        print(f"| {row['recipe']} | {row['data']} | {row['steps']} | {'-' if v is None else f'{v:.3f}'} | "
-              f"{' / '.join(f'{x:.3f}' for x in per)} | {s:.3f} | {K + 1 - best:.3f} | {row.get('lossless', '-')} |")  # fmt: skip
+        cells = []
+        for key in keys:
+            v, s = _al(row, "vllm", key), _al(row, "sim", key)
+            cells.append(f"{'-' if v is None else f'{v:.3f}'} / {'-' if s is None else f'{s:.3f}'}")
+        print(f"| {row['recipe']} | {row['data']} | {row['steps']} | " + " | ".join(cells)
+              + f" | {row.get('lossless', '-')} |")  # fmt: skip
     by = {(r["recipe"], r["data"]): r for r in report["rows"]}
-    for ds in ("given", "regenerated"):
-        if ("project", ds) in by and ("speculators", ds) in by:
-            eng = "vllm" if "vllm" in by[("project", ds)] else "sim"
-            p, b = _al(by[("project", ds)], eng), _al(by[("speculators", ds)], eng)
-            print(f"{ds}: project / speculators AL ({eng}) = {p / b:.3f}; rejected per step ratio "
-                  f"{(K + 1 - p) / (K + 1 - b):.3f}")  # fmt: skip
-    if ("project", "regenerated") in by and ("speculators", "given") in by:
-        eng = "vllm" if "vllm" in by[("project", "regenerated")] else "sim"
-        p, b = _al(by[("project", "regenerated")], eng), _al(by[("speculators", "given")], eng)
-        print(
-            f"full recipe (regenerated) vs speculators on the given conversations: AL ratio {p / b:.3f} ({eng})"
-        )
+    for key in keys:
+        k = int(key.rsplit("/k", 1)[1])
+        for ours, theirs, what in [
+            (("project", "regenerated"), ("speculators", "given"), "full recipe (greedy regen) vs speculators given"),
+            (("project", "regenerated_t1"), ("speculators", "given"), "full recipe (t1 regen) vs speculators given"),
+            (("project", "given"), ("speculators", "given"), "given: project vs speculators"),
+            (("project", "regenerated"), ("speculators", "regenerated"), "same greedy-regenerated data"),
+            (("project", "regenerated_t1"), ("speculators", "regenerated_t1"), "same t1-regenerated data"),
+        ]:
+            if ours in by and theirs in by:
+                eng = "vllm" if _al(by[ours], "vllm", key) is not None else "sim"
+                p, b = _al(by[ours], eng, key), _al(by[theirs], eng, key)
+                if p is not None and b is not None:
+                    print(f"{key} | {what}: AL ratio {p / b:.3f}, rejected per step ratio "
+                          f"{(k + 1 - p) / (k + 1 - b):.3f} ({eng})")  # fmt: skip
 
 
 if __name__ == "__main__":

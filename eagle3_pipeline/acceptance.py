@@ -21,10 +21,25 @@ max_tokens that the output then drops (`scheduler.py`: num_accepted = sampled - 
 check). The simulation therefore ends the request after `max_new_tokens` but compares the last drafts
 with a trace that runs k - 1 tokens further (`trace_length`). Stopping the comparison at the end instead
 made the simulation low at the deeper positions, by more the better the draft (issue 9).
+
+Sampling (temperature > 0, the way Kimi-K2.5 is served in thinking mode: 1.0 / top_p 0.95). vLLM 0.32's
+EAGLE-3 proposer still drafts the draft's argmax (`draft_sample_method` "greedy", its default), and the
+rejection sampler accepts draft x_j with probability p~_j(x_j), p~_j the verifier's distribution after
+temperature, top-k and top-p (`rejection_sampler.apply_sampling_constraints`), evaluated on the draft
+chain (the verify pass); on a rejection it emits a token drawn from p~_j without x_j, after k accepts a
+bonus token from p~_{k+1}. The output is then distributed as plain sampling from p~, so the simulation
+samples the verifier's trace from p~ itself (seeded per prompt) and counts a draft accepted when it
+equals the trace's token: the same joint law of accepted counts as vLLM's sampler (P(x_1 accepted) =
+p~_1(x_1), and so on down the chain). Beside that realisation it adds, per step, the exact expected
+acceptance per position, prod_{i<=j} p~_i(x_i) (`expected_accepted_per_pos`), with p~_i on the draft
+chain (one verifier pass over the drafts where they leave the trace): no coin-flip noise, only the
+trace's. Greedy (temperature < 1e-5, vLLM's _SAMPLING_EPS) is the exact path above, unchanged.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,24 +48,81 @@ import torch
 from eagle3_pipeline.reference_draft import ReferenceDraft
 
 
+# vLLM treats a temperature below this as greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS)
+SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The request's sampling parameters, as vLLM's SamplingParams reads them (top_k <= 0: off)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """p~: softmax of logits / temperature after top-k and top-p, as vLLM's `apply_top_k_top_p`
+        (ascending sort; top-p drops the tokens whose cumulative mass from the bottom is <= 1 - top_p,
+        always keeping the most likely one). logits: [..., V] -> probabilities [..., V], float32."""
+        x = logits.float() / self.temperature
+        srt, idx = x.sort(dim=-1, descending=False)
+        if 0 < self.top_k < x.shape[-1]:
+            srt = srt.masked_fill(srt < srt[..., -self.top_k, None], -math.inf)
+        if self.top_p < 1.0:
+            cum = srt.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= 1 - self.top_p
+            drop[..., -1] = False
+            srt = srt.masked_fill(drop, -math.inf)
+        return srt.scatter(-1, idx, srt).softmax(dim=-1)
+
+
 @dataclass
 class AcceptanceCounts:
+    """vLLM's spec-decode counters for one set of requests, plus (sampling) the exact expected
+    acceptances per position and what each request added (for the standard error of a realisation)."""
+
     num_speculative_tokens: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    expected_accepted_per_pos: list[float] = field(default_factory=list)
+    per_request: list[tuple[int, list[int]]] = field(default_factory=list)  # (drafts, accepted per pos)
 
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.num_speculative_tokens
+        if not self.expected_accepted_per_pos:
+            self.expected_accepted_per_pos = [0.0] * self.num_speculative_tokens
 
     @property
     def num_accepted_tokens(self) -> int:
         return sum(self.accepted_per_pos)
 
-    def summary(self) -> dict[str, Any]:
+    def rate_standard_errors(self) -> list[float]:
+        """Standard error of one realisation's acceptance rate per position (what vLLM's counters are),
+        with requests as independent clusters: the ratio estimator's sqrt(n/(n-1) sum (a_r - rate d_r)^2)
+        / sum d_r. Steps within a request share its trace, so they are not independent draws."""
+        n = len(self.per_request)
+        d = sum(r[0] for r in self.per_request)
+        if n < 2 or d == 0:
+            return [math.inf] * self.num_speculative_tokens
+        out = []
+        for j in range(self.num_speculative_tokens):
+            rate = sum(r[1][j] for r in self.per_request) / d
+            ss = sum((r[1][j] - rate * r[0]) ** 2 for r in self.per_request)
+            out.append(math.sqrt(n / (n - 1) * ss) / d)
+        return out
+
+    def summary(self, sampled: bool = False) -> dict[str, Any]:
+        """vLLM's counters and rates. Sampled: the rates and acceptance length are the expected ones
+        (`expected_accepted_per_pos`); the realisation's counters and rates stand beside them."""
         d = max(self.num_drafts, 1)
-        return {
+        out = {
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
@@ -58,12 +130,24 @@ class AcceptanceCounts:
             "acceptance_rate_per_pos": [a / d for a in self.accepted_per_pos],
             "mean_acceptance_length": 1.0 + self.num_accepted_tokens / d,
         }
+        if sampled:
+            out["sampled_acceptance_rate_per_pos"] = out["acceptance_rate_per_pos"]
+            out["sampled_mean_acceptance_length"] = out["mean_acceptance_length"]
+            out["expected_accepted_per_pos"] = self.expected_accepted_per_pos
+            out["acceptance_rate_per_pos"] = [a / d for a in self.expected_accepted_per_pos]
+            out["mean_acceptance_length"] = 1.0 + sum(self.expected_accepted_per_pos) / d
+            out["rate_standard_error_per_pos"] = self.rate_standard_errors()
+        return out
 
 
 def trace_length(max_new_tokens: int, k: int) -> int:
     """Greedy tokens a trace needs for a request of `max_new_tokens` at k drafts per step: the last
     round starts with at most max_new_tokens - 1 emitted and vLLM verifies all k of its drafts."""
     return max_new_tokens + k - 1
+
+
+# (context ids, drafts x_1..x_{k-1}) -> p~ after the context and after each draft: [k, V]
+VerifyPass = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
 def simulate_sequence(
@@ -74,17 +158,23 @@ def simulate_sequence(
     k: int,
     counts: AcceptanceCounts,
     max_new_tokens: int | None = None,
+    trace_probs: torch.Tensor | None = None,
+    verify: VerifyPass | None = None,
 ) -> None:
-    """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + greedy.
+    """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + trace.
 
     The request ends after `max_new_tokens` tokens (default: all of seq); seq should run
     `trace_length(max_new_tokens, k)` tokens past the prompt so the last round is verified as in vLLM.
+    Greedy: seq is the verifier's greedy trace. Sampling: seq was sampled from p~ and `trace_probs[i]`
+    is the p~ it sampled token prompt_len + i from; `verify` gives p~ on the draft chain where the
+    drafts leave the trace, for the expected counts.
     """
     total = seq.numel()
     end = total if max_new_tokens is None else min(total, prompt_len + max_new_tokens)
     positions = torch.arange(total - 1)
     out0, logits0, cache = draft.first_pass(aux[: total - 1], seq[1:], positions)
     n = prompt_len + 1  # the verifier's prefill emitted seq[prompt_len]
+    drafts0, accepted0 = counts.num_drafts, list(counts.accepted_per_pos)
     while n < end:
         proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
         g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
@@ -101,13 +191,55 @@ def simulate_sequence(
         counts.num_draft_tokens += k
         for j in range(accepted):
             counts.accepted_per_pos[j] += 1
+        if trace_probs is None:  # greedy: a draft is accepted exactly when it is the trace's token
+            for j in range(accepted):
+                counts.expected_accepted_per_pos[j] += 1.0
+        else:
+            _add_expected(counts, proposals, accepted, seq[:n], trace_probs[n - prompt_len :], verify)
         n += accepted + 1
+    counts.per_request.append(
+        (counts.num_drafts - drafts0, [a - b for a, b in zip(counts.accepted_per_pos, accepted0)])
+    )
 
 
-def verifier_greedy_with_aux(
-    model: Any, capture: Any, prompt: list[int], max_new_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt + greedy continuation, aux states of every position of it) from the Hugging Face verifier.
+def _add_expected(
+    counts: AcceptanceCounts,
+    proposals: list[int],
+    on_trace: int,
+    context: torch.Tensor,
+    trace_probs: torch.Tensor,
+    verify: VerifyPass | None,
+) -> None:
+    """Add prod_{i<=j} p~_i(x_i) for each position j of one step. Drafts 1..on_trace equal the trace's
+    tokens, so p~ up to draft on_trace + 1 is the trace's own; past it the drafts left the trace and p~
+    comes from a verify pass over the context and the drafts, as vLLM's verify pass computes it."""
+    chain = None
+    q = 1.0
+    for j, tok in enumerate(proposals):
+        if j <= on_trace and j < len(trace_probs):
+            p = float(trace_probs[j, tok])
+        else:
+            if verify is None:
+                raise ValueError("sampled simulation needs a verify pass for drafts off the trace")
+            if chain is None:
+                chain = verify(context, proposals[: len(proposals) - 1])
+            p = float(chain[j, tok])
+        q *= p
+        if q == 0.0:
+            return
+        counts.expected_accepted_per_pos[j] += q
+
+
+def verifier_trace_with_aux(
+    model: Any,
+    capture: Any,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(prompt + continuation, aux states of every position of it, p~ of each new token or None) from
+    the Hugging Face verifier: greedy, or sampled from p~ (`sampling`, `generator`).
 
     Exactly `max_new_tokens` tokens, an end token included where the verifier emits one, like vLLM's
     `ignore_eos=True` in the worker (an end token is emitted and decoding goes on). transformers'
@@ -116,15 +248,47 @@ def verifier_greedy_with_aux(
     """
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
+    probs: list[torch.Tensor] = []
+
+    def choose(logits: torch.Tensor) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        p = sampling.probs(logits).cpu()
+        probs.append(p)
+        return int(torch.multinomial(p, 1, generator=generator))
+
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-        tokens = [int(out.logits[0, -1].argmax())]
+        tokens = [choose(out.logits[0, -1])]
         for _ in range(max_new_tokens - 1):
             step = torch.tensor([[tokens[-1]]], device=device)
             out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
+            tokens.append(choose(out.logits[0, -1]))
         capture.states.clear()
         seq = torch.cat([ids[0], torch.tensor(tokens, device=device)])
         model(input_ids=seq[None], use_cache=False)
     aux, _ = capture.pop()
-    return seq.cpu(), aux.flatten(1).float().cpu()
+    return seq.cpu(), aux.flatten(1).float().cpu(), torch.stack(probs) if probs else None
+
+
+def verifier_greedy_with_aux(
+    model: Any, capture: Any, prompt: list[int], max_new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt + greedy continuation, aux states of every position of it): verifier_trace_with_aux."""
+    seq, aux, _ = verifier_trace_with_aux(model, capture, prompt, max_new_tokens)
+    return seq, aux
+
+
+def verify_pass(model: Any, capture: Any, sampling: Sampling) -> VerifyPass:
+    """p~ after a context and after each of the drafts that follow it, from one forward of the verifier
+    over context + drafts (the verify pass of a speculative step): [len(drafts) + 1, V]."""
+    device = next(model.parameters()).device
+
+    def run(context: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        ids = torch.cat([context, torch.tensor(drafts, dtype=context.dtype)]).to(device)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0, len(context) - 1 :]
+        capture.states.clear()  # its hooks fire on every forward; this one's states are not needed
+        return sampling.probs(logits).cpu()
+
+    return run

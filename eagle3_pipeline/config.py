@@ -278,6 +278,18 @@ class EvaluateConfig:
     num_prompts: int = _f(8, "Prompts evaluated.")
     max_new_tokens: int = _f(64, "Tokens generated per prompt.")
     num_speculative_tokens: int = _f(3, "k draft tokens per step.")
+    temperature: float = _f(
+        0.0,
+        "Sampling temperature of the requests: 0 greedy; Kimi-K2.5 serves thinking mode at 1.0 (top_p 0.95) "
+        "and instant mode at 0.6 (top_p 0.95). vLLM's draft still proposes its argmax; the verifier accepts "
+        "it with its probability of it. The simulation reports the expected acceptance exactly.",
+    )
+    top_p: float = _f(1.0, "Nucleus mass of the requests when --temperature > 0 (Kimi-K2.5: 0.95).")
+    top_k: int = _f(0, "Top-k of the requests when --temperature > 0 (0: off).")
+    seed: int = _f(0, "Sampling seed: request i is seeded seed + i, in the simulation and in vLLM alike.")
+    samples_per_prompt: int = _f(
+        1, "Requests per prompt (sampling: independent draws, seeds in sequence; more = less noise)."
+    )
     engine: str = _f("sim", "sim (this project's PyTorch simulation of vLLM's EAGLE-3 chain) or vllm.")
     vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
     out_dir: str | None = _f(None, "Where to write acceptance.json (default: the draft folder).")

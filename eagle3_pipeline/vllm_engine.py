@@ -46,6 +46,18 @@ def _engine_fields(gpus: int) -> dict[str, Any]:
     return {"dtype": "auto" if gpus else "float32", "tensor_parallel_size": max(gpus, 1)}
 
 
+def sampling_fields(sampling: Any, num_prompts: int) -> dict[str, Any]:
+    """The worker's sampling keys for acceptance.Sampling (None: greedy): one seed per request."""
+    if sampling is None or sampling.greedy:
+        return {}
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "seeds": [sampling.seed + i for i in range(num_prompts)],
+    }
+
+
 def _worker_env() -> dict[str, str]:
     return {
         **os.environ,
@@ -198,8 +210,10 @@ def generate(
     python: str | Path | None = None,
     timeout_s: int = 1800,
     trust_remote_code: bool = False,
+    sampling: Any = None,
 ) -> dict[str, Any]:
-    """Greedy generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs."""
+    """Generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs. Greedy, or
+    `sampling` (acceptance.Sampling): request i seeded sampling.seed + i."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -218,6 +232,7 @@ def generate(
                     "max_new_tokens": max_new_tokens,
                     "num_speculative_tokens": k,
                     "trust_remote_code": trust_remote_code,
+                    **sampling_fields(sampling, len(prompts)),
                     **_engine_fields(gpus),
                 }
             )
@@ -233,3 +248,27 @@ def generate(
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise UserError(f"vLLM worker failed (exit {proc.returncode}):\n{tail}")
         return json.loads(out.read_text())
+
+
+def generate_each(
+    verifier: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    samplings: list[Any],
+    python: str | Path | None = None,
+    trust_remote_code: bool = False,
+) -> list[dict[str, Any]]:
+    """`generate` once per sampling setting (acceptance.Sampling, None: greedy) in one worker session:
+    the engine starts once, since sampling parameters are per request in vLLM."""
+    fields = {
+        "verifier": str(verifier),
+        "draft": None if draft is None else str(draft),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "num_speculative_tokens": k,
+        "trust_remote_code": trust_remote_code,
+    }
+    with WorkerSession(python) as session:
+        return [session.request({**fields, **sampling_fields(s, len(prompts))}) for s in samplings]

@@ -13,7 +13,8 @@ Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens
 "seed" (default 0), "trust_remote_code" (default false), "tensor_parallel_size" (default 1),
 "enforce_eager" (default true: no torch.compile, the fastest start-up on CPU); sampling:
 "ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
-(default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1).
+(default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1), "seeds"
+(one sampling seed per prompt; default: "seed" for every prompt).
 
     <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --session
 
@@ -220,6 +221,11 @@ def load_request(path: str) -> dict:
     for key in ("temperature", "top_p"):
         if key in req and not isinstance(req[key], (int, float)):
             raise RequestError(f"{key} must be a number")
+    seeds = req.get("seeds")
+    if seeds is not None and (
+        not isinstance(seeds, list) or len(seeds) != len(prompts) or not all(_is_int(x) for x in seeds)
+    ):
+        raise RequestError("seeds must be a list of ints, one per prompt")
     return req
 
 
@@ -413,18 +419,23 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     n_new = req["max_new_tokens"]
     k = req["num_speculative_tokens"]
 
-    params = SamplingParams(
-        temperature=float(req.get("temperature", 0.0)),
-        top_p=float(req.get("top_p", 1.0)),
-        top_k=int(req.get("top_k", -1)),
-        max_tokens=n_new,
-        ignore_eos=req.get("ignore_eos", True),
-        stop_token_ids=list(req.get("stop_token_ids", [])),
-        detokenize=False,
-        seed=seed,
-    )
+    def params_of(request_seed: int):
+        return SamplingParams(
+            temperature=float(req.get("temperature", 0.0)),
+            top_p=float(req.get("top_p", 1.0)),
+            top_k=int(req.get("top_k", -1)),
+            max_tokens=n_new,
+            ignore_eos=req.get("ignore_eos", True),
+            stop_token_ids=list(req.get("stop_token_ids", [])),
+            detokenize=False,
+            seed=request_seed,
+        )
+
+    params = params_of(seed)
     if req["task"] == "extract":
         return _extract(llm, req, params, startup_s)
+    if req.get("seeds") is not None:  # one generator per request (sampled acceptance, independent draws)
+        params = [params_of(s) for s in req["seeds"]]
     before = snapshot_counters(llm)
     t0 = time.perf_counter()
     results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, trace_length
@@ -70,3 +71,119 @@ def test_a_rejection_starts_the_next_step_after_the_verifiers_own_token():
     s = _run(seq, prompt, k, max_new, wrong_at={6, 13})
     assert s["num_drafts"] == 4 and s["accepted_per_pos"] == [4, 3, 2]
     assert s["mean_acceptance_length"] == 1 + 9 / 4
+
+
+# --- sampling (temperature > 0) --------------------------------------------------------------------
+
+
+def test_processed_distribution_follows_vllms_top_k_top_p():
+    from eagle3_pipeline.acceptance import Sampling
+
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    # ascending cumulative mass 0.05, 0.20, 0.50, 1.00: top_p 0.8 drops what is <= 0.2 -> {0.5, 0.3}
+    assert torch.allclose(Sampling(1.0, 0.8).probs(logits), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(Sampling(1.0, 0.95).probs(logits), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    assert torch.allclose(Sampling(1.0, 1.0, top_k=1).probs(logits), torch.tensor([1.0, 0, 0, 0]))
+    # top_p never drops the most likely token; temperature sharpens before the cut
+    assert torch.allclose(Sampling(1.0, 1e-6).probs(logits), torch.tensor([1.0, 0, 0, 0]))
+    hot = Sampling(0.5, 1.0).probs(logits)
+    assert torch.allclose(hot, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+    assert Sampling(1e-6).greedy and not Sampling(0.01).greedy
+
+
+class BigramDraft:
+    """Drafts f(previous token): slot t sees token t+1 and proposes token t+2, like ReferenceDraft."""
+
+    def __init__(self, f: torch.Tensor):
+        self.f, self.vocab = f, len(f)
+
+    def _onehot(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(self.f[tokens], self.vocab).float()
+
+    def first_pass(self, aux, next_tokens, positions):
+        return positions[:, None].float(), self._onehot(next_tokens), _Cache()
+
+    def step(self, g, token, position, cache):
+        return position[:, None].float(), self._onehot(token), cache
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+
+def _vllm_rejection_sampling(P, f, prompt, max_new, k, gen) -> tuple[int, list[int]]:
+    """vLLM's rule for drafts without probabilities, written out: accept x_j with probability p(x_j),
+    else emit a token from p without x_j and stop; after k accepts a bonus token from p. The prefill
+    emits the first token; the last step verifies all k drafts even past max_new (the scheduler)."""
+    seq, drafts, acc = list(prompt), 0, [0] * k
+    seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))  # the prefill's token
+    while len(seq) - len(prompt) < max_new:
+        proposals, prev = [], seq[-1]
+        for _ in range(k):
+            prev = int(f[prev])
+            proposals.append(prev)
+        drafts += 1
+        for j, x in enumerate(proposals):
+            p = P[seq[-1]]
+            if torch.rand((), generator=gen) < p[x]:
+                seq.append(x)
+                acc[j] += 1
+                continue
+            rest = p.clone()
+            rest[x] = 0
+            seq.append(int(torch.multinomial(rest / rest.sum(), 1, generator=gen)))
+            break
+        else:
+            seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
+    return drafts, acc
+
+
+def test_sampled_simulation_matches_vllms_rejection_sampler_in_expectation():
+    """A bigram verifier P and a bigram draft f: the simulation's expected counts (and its realised
+    ones) average to what vLLM's rejection sampler accepts, over many seeded requests."""
+    from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, trace_length
+
+    V, k, max_new, prompt, n = 6, 3, 12, [0, 1], 1500
+    g = torch.Generator().manual_seed(0)
+    P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, dim=-1)  # rows: p(next | previous)
+    f = P.argmax(dim=-1)
+    f[2] = (f[2] + 1) % V  # the draft is wrong after token 2: chains leave the trace there
+
+    def verify(context, drafts):
+        return torch.stack([P[int(t)] for t in [int(context[-1]), *drafts]])
+
+    counts = AcceptanceCounts(k)
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        seq = list(prompt)
+        for _ in range(trace_length(max_new, k)):
+            seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
+        seq_t = torch.tensor(seq)
+        probs = torch.stack([P[seq[t - 1]] for t in range(len(prompt), len(seq))])
+        simulate_sequence(BigramDraft(f), torch.zeros(len(seq), 1), seq_t, len(prompt), k, counts,
+                          max_new, probs, verify)  # fmt: skip
+    s = counts.summary(sampled=True)
+    ref_drafts, ref_acc = 0, [0] * k
+    gen = torch.Generator().manual_seed(10**6)
+    for _ in range(n):
+        d, a = _vllm_rejection_sampling(P, f, prompt, max_new, k, gen)
+        ref_drafts += d
+        ref_acc = [x + y for x, y in zip(ref_acc, a)]
+    ref_rates = [a / ref_drafts for a in ref_acc]
+    se = s["rate_standard_error_per_pos"]
+    for j in range(k):
+        # two estimates of the same rate, each with at most one realisation's standard error
+        assert abs(s["acceptance_rate_per_pos"][j] - ref_rates[j]) < 4 * 2**0.5 * se[j], (s, ref_rates)
+        assert abs(s["sampled_acceptance_rate_per_pos"][j] - ref_rates[j]) < 4 * 2**0.5 * se[j]
+        assert 0.002 < se[j] < 0.02  # ~0.1 / sqrt(n): finite, and small enough to test anything
+    assert 0.05 < s["acceptance_rate_per_pos"][-1] < s["acceptance_rate_per_pos"][0] < 0.95
+    # the expectation removes the coin flips: its spread over requests is smaller than the realisation's
+    assert sum(s["expected_accepted_per_pos"]) == pytest.approx(s["num_accepted_tokens"], rel=0.05)
+
+
+def test_greedy_counts_are_their_own_expectation():
+    prompt, max_new, k = 4, 12, 3
+    seq = torch.arange(prompt + trace_length(max_new, k)) % 50
+    counts = AcceptanceCounts(k)
+    simulate_sequence(OracleDraft(seq, 50, {6, 13}), torch.zeros(len(seq), 4), seq, prompt, k, counts, max_new)
+    assert counts.expected_accepted_per_pos == [4.0, 3.0, 2.0]
+    assert counts.per_request == [(4, [4, 3, 2])]

