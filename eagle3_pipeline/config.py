@@ -312,7 +312,11 @@ class PlanOptions:
         "Print what the run will need (aux ids, draft shapes and parameters, disk per storage dtype, memory "
         "per GPU, steps, time) from the verifier's config.json and a sample of the data; run nothing.",
     )
-    plan_gpus: int = _f(8, "GPUs the plan assumes for DDP (steps per epoch; DDP gradient buckets).")
+    plan_gpus: int = _f(
+        8,
+        "GPUs the plan assumes for DDP (steps per epoch; DDP gradient buckets), and the tensor-parallel size "
+        "of serving for the KV-cache lines unless [export] serve_tensor_parallel_size is set.",
+    )
     plan_rows: int | None = _f(None, "Input rows of the whole dataset (default: counted in --data-path).")
     plan_tokens_per_row: float | None = _f(
         None, "Tokens per row when neither shards nor data and tokenizer are at hand (default: measured)."

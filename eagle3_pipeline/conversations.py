@@ -146,7 +146,8 @@ def normalize_row(row: Any) -> Conversation:
     """The row as the chat template needs it (OpenAI message dicts plus the row's `tools`), or RowRejected.
 
     Kept per turn: `content` (a string; text parts joined), `reasoning_content` (from `reasoning_content`,
-    `reasoning`, `thinking`, or a leading inline `<think>R</think>` in an assistant's content: issue 8),
+    `reasoning`, `thinking`, or a leading inline `<think>R</think>` in an assistant's content: issue 8;
+    both texts exactly as given, whitespace where they meet included: issue 18),
     `tool_calls` (OpenAI form, arguments as a JSON string, ids `functions.<name>:<n>` when missing, the
     form Kimi-K2.5 writes), `tool_call_id` and `name` of tool results. ShareGPT `function_call` turns
     become assistant tool calls, `observation` turns tool results. Null fields count as absent (a
@@ -187,7 +188,8 @@ def normalize_row(row: Any) -> Conversation:
         if kind == "assistant":
             _assistant_fields(n, turn, message)
             calls.assign(n, message)
-            if not (message["content"].strip() or "reasoning_content" in message or "tool_calls" in message):
+            said = message["content"] + message.get("reasoning_content", "")
+            if not (said.strip() or "tool_calls" in message):
                 raise RowRejected(f"turn {n} ({role}) is empty")
         elif kind == "tool":
             call_id = turn.get("tool_call_id")
@@ -252,23 +254,22 @@ def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> 
     if reasoning is not None and not isinstance(reasoning, str):
         raise RowRejected(f"turn {n} {given[0]} is {type(reasoning).__name__}, expected a string")
     content = message["content"]
-    opens = content.lstrip().startswith(THINK_OPEN)
     # inline reasoning: `<think>R</think>A`, or `R</think>A` where the template wrote the opening tag
     # (DeepSeek-R1-style exports)
-    if opens or (THINK_CLOSE in content and THINK_OPEN not in content):
+    if content.lstrip().startswith(THINK_OPEN) or (THINK_CLOSE in content and THINK_OPEN not in content):
         if reasoning is not None:
             raise RowRejected(f"turn {n} has reasoning both in {given[0]} and inline in <think>")
-        inner, sep, rest = content.lstrip()[len(THINK_OPEN) if opens else 0 :].partition(THINK_CLOSE)
-        if not sep:
-            raise RowRejected(f"turn {n} opens {THINK_OPEN} in its content and never closes it")
-        reasoning, content = inner, rest
+        reasoning, content = _split_inline(n, content)
     if THINK_OPEN in content or THINK_CLOSE in content:
         raise RowRejected(f"turn {n} has {THINK_OPEN} or {THINK_CLOSE} inside its answer")
-    # Templates strip the newlines around reasoning themselves (Qwen3 and Kimi write `<think>R</think>A`);
-    # stored data often has `<think>\nR\n</think>\n\nA`.
-    message["content"] = content.lstrip("\n") if reasoning is not None else content
-    if reasoning is not None and reasoning.strip():
-        message["reasoning_content"] = reasoning.strip("\n")
+    # Both texts as given, newlines at the seam included (issue 18): Kimi-K2.5's template renders
+    # `<think>R</think>A` and strips neither side (Qwen3's template strips them itself), so
+    # `R\n</think>\n\nA` is what the model generated and what a client replays: vLLM's kimi_k2 reasoning
+    # parser (thinking: DeepSeekR1ReasoningParser) partitions the output at `</think>` and strips nothing
+    # (vllm/reasoning/basic_parsers.py, BaseThinkingReasoningParser.extract_reasoning).
+    message["content"] = content
+    if reasoning:  # "" renders as no reasoning: `<think></think>`
+        message["reasoning_content"] = reasoning
     raw_calls = turn.get("tool_calls")
     if raw_calls is None and isinstance(turn.get("function_call"), dict):  # legacy OpenAI form
         raw_calls = [{"type": "function", "function": turn["function_call"]}]
@@ -277,6 +278,18 @@ def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> 
             raise RowRejected(f"turn {n} tool_calls is {type(raw_calls).__name__}, expected a list")
         if raw_calls:
             message["tool_calls"] = [_tool_call(n, c) for c in raw_calls]
+
+
+def _split_inline(n: int, content: str) -> tuple[str, str]:
+    """(reasoning, answer) of `<think>R</think>A` or `R</think>A`, split at the first `</think>`, both as
+    written. Only whitespace before `<think>` is dropped: the serving prompt ends with `<think>` (Kimi-K2.5,
+    Qwen3, DeepSeek-R1), so the model generates nothing before it; that is an export's formatting."""
+    text = content.lstrip()
+    opens = text.startswith(THINK_OPEN)
+    inner, sep, rest = (text[len(THINK_OPEN) :] if opens else content).partition(THINK_CLOSE)
+    if not sep:
+        raise RowRejected(f"turn {n} opens {THINK_OPEN} in its content and never closes it")
+    return inner, rest
 
 
 def _tool_call(n: int, call: Any) -> dict[str, Any]:

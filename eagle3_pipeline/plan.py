@@ -4,7 +4,9 @@
 from the verifier's config.json alone (no weights: the draft is built on the meta device) and the token
 counts of the data: exact ones from shard manifests when shards exist, else a tokenized sample of the
 data rows, else `--plan-tokens-per-row`. The real runs refuse to start when the disk they need exceeds
-the free space (extract._check_free_space, train._check_checkpoint_space).
+the free space (extract._check_free_space, train._check_checkpoint_space). It also shows what the draft
+costs at serving time: its KV cache per token beside the verifier's, under tensor parallelism and under
+data-parallel attention (kv_cache.py).
 
 Memory per GPU under DDP (every rank holds the whole draft; PyTorch DDP docs) is an estimate from what
 stays alive until backward (activations + mask checked against the tensors autograd saves for a tiny
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import state_dtype, storage
+from eagle3_pipeline import kv_cache, state_dtype, storage
 from eagle3_pipeline.config import ExtractConfig, PlanOptions, TrainConfig, load_config_file
 from eagle3_pipeline.conversations import (
     RowRejected,
@@ -223,7 +225,10 @@ def build(
     opts: PlanOptions,
     disk_dir: Path,
     micro_batches: int | None = None,
+    serve_tp: int | None = None,
 ) -> dict[str, Any]:
+    """The plan; `serve_tp`: the tensor-parallel size vLLM serves with (default --plan-gpus), for the
+    KV-cache lines."""
     text = read_text_config(verifier_path)
     H, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(layers), layers)
@@ -290,6 +295,7 @@ def build(
         "free_bytes": storage.free_bytes(disk_dir),
         "gpus": opts.plan_gpus,
         "memory_per_gpu": memory_per_gpu(spec, draft, train, opts.plan_gpus, attn_impl),
+        "kv_cache": kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus),
         "checkpoints_disk": checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
         "trained_tokens": trained_tokens,
@@ -347,6 +353,7 @@ def render(p: dict[str, Any]) -> str:
         f"{_gb(m['attention_mask_by_impl']['sdpa'])}), with flex {_gb(by['flex'])} (mask "
         f"{_gb(m['attention_mask_by_impl']['flex'])})"
     )
+    lines.extend(kv_cache.render_lines(p["kv_cache"]))
     lines.append(f"checkpoints   {_gb(p['checkpoints_disk'])} (keep_last + best + one being written)")
     st = p["steps"]
     if st:
@@ -407,6 +414,13 @@ def _tokens_from_data(
     return Tokens(rows, per_row, lengths, f"tokenized {read} rows of {data_path}")
 
 
+def _serve_tp(config_path: str | None, opts: PlanOptions) -> int:
+    """The tensor-parallel size vLLM serves with: [export] serve_tensor_parallel_size when set (the size
+    the export's serve line prints), else --plan-gpus (8 by default: one node)."""
+    tp = int(load_config_file(config_path, "export").get("serve_tensor_parallel_size", 0))
+    return tp if tp > 0 else opts.plan_gpus
+
+
 def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None) -> int:
     train = _section(config_path, TrainConfig, "train")
     vocab = load_config_file(config_path, "vocab")
@@ -419,7 +433,7 @@ def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None)
     )
     p = build(
         verifier_path, cfg.aux_layer_ids, storage_name, train, int(vocab.get("draft_vocab_size", 32000)),
-        tokens, opts, Path(cfg.out_dir),
+        tokens, opts, Path(cfg.out_dir), serve_tp=_serve_tp(config_path, opts),
     )  # fmt: skip
     return emit(p, opts)
 
@@ -469,6 +483,7 @@ def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> 
         split = load_config_file(config_path, "split")
         cfg = dataclasses.replace(cfg, val_ratio=float(split.get("val_ratio", cfg.val_ratio)))
     p = build(
-        Path(verifier), aux, storage_name, cfg, draft_vocab, tokens, opts, Path(cfg.out_dir), micro_batches
-    )
+        Path(verifier), aux, storage_name, cfg, draft_vocab, tokens, opts, Path(cfg.out_dir), micro_batches,
+        serve_tp=_serve_tp(config_path, opts),
+    )  # fmt: skip
     return emit(p, opts)

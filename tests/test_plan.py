@@ -85,6 +85,65 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
     }
     assert p["seconds"] == pytest.approx(tokens * 0.99 * 10 / 200_000)
     assert f"trainable {TRAINABLE:,}" in proc.stdout and "57,344 B/token" in proc.stdout
+    # KV cache per token, bf16: Kimi-K2.5's MLA latent 61 x (512 + 64) x 2, replicated on every TP rank;
+    # the draft's 1 layer x 2 (k, v) x 64 kv heads x 128 x 2, its heads sharded over TP 8 (--plan-gpus)
+    kv = p["kv_cache"]
+    assert kv["tensor_parallel_size"] == 8 and kv["verifier"]["attention"] == "mla"
+    assert kv["dp_attention"]["verifier"] == kv["tp"]["verifier"] == 61 * (512 + 64) * 2 == 70_272
+    assert kv["dp_attention"]["draft"] == 2 * 64 * 128 * 2 == 32_768
+    assert kv["tp"]["draft"] == 32_768 // 8 == 4_096
+    assert kv["tp"]["share"] == pytest.approx(4_096 / 70_272)  # +5.8%
+    assert kv["dp_attention"]["share"] == pytest.approx(32_768 / 70_272)  # +46.6%
+    assert kv["dp_attention"]["tokens_kept"] == pytest.approx(70_272 / (70_272 + 32_768))
+    assert "verifier 70,272 B (61 layers x (512 + 64) x 2 B, MLA latent) | draft 32,768 B" in proc.stdout
+    assert "TP8: draft 4,096 B/rank vs verifier 70,272 B/rank" in proc.stdout
+    assert "= +5.8% | DP attention: draft 32,768 B vs 70,272 B = +46.6%" in proc.stdout
+
+
+def _tiny_plan(tmp_path, text, serve_tp):
+    from eagle3_pipeline.config import PlanOptions, TrainConfig
+    from eagle3_pipeline.plan import Tokens, build, render
+
+    d = tmp_path / "verifier"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["X"], "model_type": "x", **text}))
+    section = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())["train"]  # 4 kv heads x 128
+    p = build(d, [1, 2, 3], "float32", TrainConfig(**section), 96, Tokens(None, None, None, "none"),
+              PlanOptions(), tmp_path, serve_tp=serve_tp)  # fmt: skip
+    return p["kv_cache"], render(p)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_cache_numbers_come_from_the_verifier_config(tmp_path, tp):
+    """Two small verifiers, by hand: the numbers are the config's, not Kimi-K2.5's."""
+    base = {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 8, "vocab_size": 320}
+    kv, text = _tiny_plan(tmp_path, {**base, "num_key_value_heads": 2}, tp)  # GQA, head_dim 256 / 8 = 32
+    assert kv["verifier"]["full"] == 6 * 2 * 2 * 32 * 2 == 1536
+    # TP 2: one kv head per rank; TP 4: fewer heads than ranks, so each rank keeps one (vLLM replicates)
+    assert kv["tp"]["verifier"] == 6 * 2 * 1 * 32 * 2 == 768
+    assert kv["dp_attention"]["draft"] == 1 * 2 * 4 * 128 * 2 == 2048
+    assert kv["tp"]["draft"] == 2 * (4 // tp) * 128 * 2
+    assert kv["tp"]["share"] == pytest.approx(kv["tp"]["draft"] / 768)
+    assert kv["dp_attention"]["share"] == pytest.approx(2048 / 1536)
+    assert "verifier 1,536 B (6 layers x 2 x 2 kv heads x 32 x 2 B)" in text
+    assert f"TP{tp}: draft {kv['tp']['draft']:,} B/rank vs verifier 768 B/rank (kv heads sharded)" in text
+    mla = {**base, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "num_hidden_layers": 3}
+    kv, text = _tiny_plan(tmp_path, mla, tp)
+    assert kv["verifier"]["full"] == kv["tp"]["verifier"] == 3 * (32 + 16) * 2 == 288  # not sharded
+    assert "verifier 288 B (3 layers x (32 + 16) x 2 B, MLA latent)" in text
+    assert f"+{2048 / 288:.1%}" in text
+
+
+def test_kv_cache_tensor_parallel_size_is_the_exports_else_plan_gpus(tmp_path):
+    from eagle3_pipeline.config import PlanOptions
+    from eagle3_pipeline.plan import _serve_tp
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("[export]\nserve_tensor_parallel_size = 4\n")
+    assert _serve_tp(str(toml), PlanOptions(plan_gpus=8)) == 4
+    toml.write_text("[export]\nserve_tensor_parallel_size = 0\n")  # 0: the GPUs visible when exporting
+    assert _serve_tp(str(toml), PlanOptions(plan_gpus=2)) == 2
+    assert _serve_tp(str(KIMI), PlanOptions()) == 8
 
 
 def test_extract_plan_runs_from_config_json_alone(kimi_config_only, tmp_path):

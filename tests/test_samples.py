@@ -107,12 +107,11 @@ def test_reasoning_content_is_supervised_after_the_thinking_prompt(kimi):
     "assistant",
     [
         {"content": "<think>Greet.</think>Yo"},
-        {"content": "<think>\nGreet.\n</think>\n\nYo"},
         {"content": "Yo", "reasoning": "Greet."},
         {"content": "Yo", "thinking": "Greet."},
         {"content": "Greet.</think>Yo"},  # the opening tag was the template's
     ],
-    ids=["inline", "inline-newlines", "reasoning", "thinking", "inline-close-only"],
+    ids=["inline", "reasoning", "thinking", "inline-close-only"],
 )
 def test_inline_think_and_reasoning_aliases_give_the_same_sample(kimi, assistant):
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", **assistant}]}
@@ -120,6 +119,65 @@ def test_inline_think_and_reasoning_aliases_give_the_same_sample(kimi, assistant
     assert (s.input_ids, s.loss_mask) == expect(
         (user("Hi") + prompt(), 0), (["Greet.", UNTHINK, "Yo", END], 1)
     )
+
+
+@pytest.mark.parametrize(
+    "assistant",
+    [
+        {"content": "<think>\nGreet.\n</think>\n\nYo"},
+        {"content": "  \n<think>\nGreet.\n</think>\n\nYo"},  # an export's indent before the prompt's tag
+        {"content": "\nGreet.\n</think>\n\nYo"},
+        {"content": "\n\nYo", "reasoning_content": "\nGreet.\n"},
+        {"content": "\n\nYo", "thinking": "\nGreet.\n"},
+    ],
+    ids=["inline", "inline-indented", "inline-close-only", "reasoning_content", "thinking"],
+)
+def test_newlines_around_reasoning_are_kept_as_generated(kimi, assistant):
+    """Kimi-K2.5's template strips neither side of `</think>` (issue 18; until then these newlines were
+    stripped, which trained the draft on tokens the model never generated): every form gives the same
+    sample, the newlines supervised; only whitespace before `<think>` goes (the prompt ends with it)."""
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", **assistant}]}
+    (s,) = samples(kimi, row)
+    assert (s.input_ids, s.loss_mask) == expect(
+        (user("Hi") + prompt(), 0), (["\nGreet.\n", UNTHINK, "\n\nYo", END], 1)
+    )
+
+
+def rendered(tok, messages, add_generation_prompt, tools=None):
+    text = tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_reasoning_ending_in_newline_and_content_starting_with_two_trains_on_the_templates_tokens(kimi):
+    """A turn the template renders with its reasoning (a tool call with no final answer after it): the
+    sample is the template's own rendering of the conversation, its mask exactly the tokens after the
+    serving prompt; a later turn's context holds the earlier answer's newlines, as a client replays them."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    tool_turn = {
+        "role": "assistant", "reasoning_content": "Look it up.\n", "content": "\n\nChecking.",
+        "tool_calls": [call],
+    }  # fmt: skip
+    row = {"tools": TOOLS, "messages": [{"role": "user", "content": "Weather?"}, tool_turn]}
+    (s,) = samples(kimi, row)
+    messages = normalize_row(row).messages
+    assert messages[1]["reasoning_content"] == "Look it up.\n" and messages[1]["content"] == "\n\nChecking."
+    whole, context = rendered(kimi, messages, False, TOOLS), rendered(kimi, messages[:1], True, TOOLS)
+    assert s.input_ids == whole
+    assert s.loss_mask == [0] * len(context) + [1] * (len(whole) - len(context))
+    assert kimi.decode(whole[len(context) :]).startswith("Look it up.\n</think>\n\nChecking.")
+
+    answer = {"role": "assistant", "reasoning_content": "Greet.\n", "content": "\n\nHello."}
+    row = {"messages": [{"role": "user", "content": "Hi"}, answer, {"role": "user", "content": "Again"},
+                        {**answer, "content": "\n\nHello again."}]}  # fmt: skip
+    first, second = samples(kimi, row)
+    messages = normalize_row(row).messages
+    assert context_of(second) == rendered(kimi, messages[:3], True)
+    assert context_of(second) == ids_of(
+        user("Hi") + history("\n\nHello.") + user("Again") + prompt()
+    )
+    assert first.input_ids[len(context_of(first)) :] == ids_of(["Greet.\n", UNTHINK, "\n\nHello.", END])
 
 
 def test_multi_turn_each_turn_gets_its_serving_prompt_with_earlier_reasoning_erased(kimi):
