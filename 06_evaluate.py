@@ -14,9 +14,10 @@ Engines: sim   this project's PyTorch run of vLLM's EAGLE-3 chain, reading the e
          vllm  the real vLLM engine in its own environment (scripts/setup_vllm_cpu.sh on CPU);
          both  the two on the same prompts. Greedy: vLLM's speculative output must equal the verifier's
                greedy output token for token and per-position acceptance agree within 0.01 (the
-               counters are equal in fp32). Sampled: the rates must agree within 3 standard deviations
-               of their difference, from the simulation's per-request spread (the tolerance is printed
-               and written). Exit 1 otherwise.
+               counters are equal in fp32). Sampled: the simulation counts over vLLM's own outputs,
+               which settle vLLM's steps: the drafts must be equal, the accepted counts equal up to the
+               last steps' unshown positions, and vLLM's rates within 3 standard deviations (the
+               rejection sampler's coin flips, sum q(1-q)) of the expected ones. Exit 1 otherwise.
 Output:  acceptance_<engine>.json in the export folder (or --out-dir; sampled runs add _t<T>_p<top_p>):
          counters as vLLM names them (num_drafts, num_accepted_tokens, accepted_per_pos), rates, mean
          acceptance length; sampled simulations also the expected counts and their standard errors.

@@ -61,6 +61,8 @@ ABLATIONS: dict[str, list[str]] = {
     "aux-state noise 0.1 x RMS": ["--state-noise", "0.1"],
     "lr 5e-4": ["--lr", "5e-4"],
     "ttt_steps 4": ["--ttt-steps", "4"],
+    "loss tv (total variation)": ["--loss", "tv"],
+    "ttt_steps 5 (the served k = 5)": ["--ttt-steps", "5", "--served-k", "5"],
 }  # fmt: skip
 
 
@@ -274,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "--ablation-epochs", type=int, default=1, help="epochs of each ablation run (and its baseline)"
     )
     p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
+    p.add_argument("--ablation-data", default="regenerated", choices=["given", "regenerated", "regenerated_t1"],
+                   help="data set of the ablation runs (regenerated_t1: regenerated at the thinking settings)")
+    p.add_argument("--only-ablations", nargs="+", metavar="NAME", help="a subset of the ablation rows (prefixes)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
     p.add_argument("--bf16", action="store_true", help="also the project's recipe on bf16 shards (simulated)")
@@ -335,10 +340,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     if a.ablations:  # one factor changed at a time, shorter runs, side by side
         from concurrent.futures import ThreadPoolExecutor
 
-        root = datasets["regenerated"]
+        root = datasets[a.ablation_data]
         steps = planned_steps(root, a.ablation_epochs, 1024)
         threads = max(1, a.threads // a.jobs)
-        variants = {"project (defaults)": [], SPECULATORS_ROW: [], **ABLATIONS}
+        chosen = {n: x for n, x in ABLATIONS.items() if not a.only_ablations or n.startswith(tuple(a.only_ablations))}
+        variants = {"project (defaults)": [], SPECULATORS_ROW: [], **chosen}
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
             name, extra = item
@@ -349,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 
         with ThreadPoolExecutor(a.jobs) as pool:
             for name, draft in pool.map(one, variants.items()):
-                drafts[f"{name}/regenerated/ablation"] = draft
-                rows.append({"recipe": name, "data": "regenerated", "steps": steps, "ablation": True})
+                drafts[f"{name}/{a.ablation_data}/ablation"] = draft
+                rows.append({"recipe": name, "data": a.ablation_data, "steps": steps, "ablation": True})
     aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"
     ]

@@ -34,6 +34,15 @@ p~_1(x_1), and so on down the chain). Beside that realisation it adds, per step,
 acceptance per position, prod_{i<=j} p~_i(x_i) (`expected_accepted_per_pos`), with p~_i on the draft
 chain (one verifier pass over the drafts where they leave the trace): no coin-flip noise, only the
 trace's. Greedy (temperature < 1e-5, vLLM's _SAMPLING_EPS) is the exact path above, unchanged.
+
+Replaying vLLM: given one of vLLM's own sampled outputs, the step boundaries and accepted counts of that
+run are determined by it (an accepted draft is the output token; a rejected one is followed by a token
+that differs from it), except at the request's last step, whose drafts past the output's end are
+verified but not shown (`unverifiable_per_pos`). So the same counting over vLLM's outputs must give
+vLLM's drafts exactly and its accepted counts up to those, and the expected counts on the same steps
+differ from vLLM's realised ones only by the rejection sampler's coin flips, whose variance given the
+steps is sum q (1 - q) per position (`expected_variance_per_pos`): a test of vLLM's acceptance rule
+with no trace noise in it (evaluate.compare).
 """
 
 from __future__ import annotations
@@ -84,20 +93,24 @@ class Sampling:
 @dataclass
 class AcceptanceCounts:
     """vLLM's spec-decode counters for one set of requests, plus (sampling) the exact expected
-    acceptances per position and what each request added (for the standard error of a realisation)."""
+    acceptances per position with their variance given the steps, what each request added (for the
+    standard error of a realisation), and the last-step positions a shown output cannot settle."""
 
     num_speculative_tokens: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     expected_accepted_per_pos: list[float] = field(default_factory=list)
+    expected_variance_per_pos: list[float] = field(default_factory=list)
+    unverifiable_per_pos: list[int] = field(default_factory=list)
     per_request: list[tuple[int, list[int]]] = field(default_factory=list)  # (drafts, accepted per pos)
 
     def __post_init__(self) -> None:
-        if not self.accepted_per_pos:
-            self.accepted_per_pos = [0] * self.num_speculative_tokens
-        if not self.expected_accepted_per_pos:
-            self.expected_accepted_per_pos = [0.0] * self.num_speculative_tokens
+        k = self.num_speculative_tokens
+        self.accepted_per_pos = self.accepted_per_pos or [0] * k
+        self.expected_accepted_per_pos = self.expected_accepted_per_pos or [0.0] * k
+        self.expected_variance_per_pos = self.expected_variance_per_pos or [0.0] * k
+        self.unverifiable_per_pos = self.unverifiable_per_pos or [0] * k
 
     @property
     def num_accepted_tokens(self) -> int:
@@ -137,6 +150,8 @@ class AcceptanceCounts:
             out["acceptance_rate_per_pos"] = [a / d for a in self.expected_accepted_per_pos]
             out["mean_acceptance_length"] = 1.0 + sum(self.expected_accepted_per_pos) / d
             out["rate_standard_error_per_pos"] = self.rate_standard_errors()
+            out["expected_variance_per_pos"] = self.expected_variance_per_pos
+            out["unverifiable_per_pos"] = self.unverifiable_per_pos
         return out
 
 
@@ -146,8 +161,8 @@ def trace_length(max_new_tokens: int, k: int) -> int:
     return max_new_tokens + k - 1
 
 
-# (context ids, drafts x_1..x_{k-1}) -> p~ after the context and after each draft: [k, V]
-VerifyPass = Callable[[torch.Tensor, list[int]], torch.Tensor]
+# (sequence, [(n, drafts x_1..x_{k-1})]) -> for each, p~ after seq[:n] and after each draft: [k, V]
+VerifyPass = Callable[[torch.Tensor, list[tuple[int, list[int]]]], list[torch.Tensor]]
 
 
 def simulate_sequence(
@@ -164,10 +179,11 @@ def simulate_sequence(
     """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + trace.
 
     The request ends after `max_new_tokens` tokens (default: all of seq); seq should run
-    `trace_length(max_new_tokens, k)` tokens past the prompt so the last round is verified as in vLLM.
-    Greedy: seq is the verifier's greedy trace. Sampling: seq was sampled from p~ and `trace_probs[i]`
-    is the p~ it sampled token prompt_len + i from; `verify` gives p~ on the draft chain where the
-    drafts leave the trace, for the expected counts.
+    `trace_length(max_new_tokens, k)` tokens past the prompt so the last round is verified as in vLLM
+    (a shorter one, e.g. vLLM's own output, leaves `unverifiable_per_pos`). Greedy: seq is the
+    verifier's greedy trace. Sampling: seq was sampled from p~ (here or by vLLM) and `trace_probs[i]`
+    is the p~ of token prompt_len + i; `verify` gives p~ on the draft chain where the drafts leave the
+    trace, for the expected counts.
     """
     total = seq.numel()
     end = total if max_new_tokens is None else min(total, prompt_len + max_new_tokens)
@@ -175,6 +191,7 @@ def simulate_sequence(
     out0, logits0, cache = draft.first_pass(aux[: total - 1], seq[1:], positions)
     n = prompt_len + 1  # the verifier's prefill emitted seq[prompt_len]
     drafts0, accepted0 = counts.num_drafts, list(counts.accepted_per_pos)
+    steps: list[tuple[int, list[int], int]] = []
     while n < end:
         proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
         g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
@@ -184,19 +201,25 @@ def simulate_sequence(
             proposals.append(int(draft.to_target(lg[0].argmax()[None])[0]))
         accepted = 0
         for j, tok in enumerate(proposals):
-            if n + j >= total or tok != int(seq[n + j]):
+            if n + j >= total:  # past the trace: a shown output cannot settle these
+                for i in range(j, k):
+                    counts.unverifiable_per_pos[i] += 1
+                break
+            if tok != int(seq[n + j]):
                 break
             accepted += 1
         counts.num_drafts += 1
         counts.num_draft_tokens += k
         for j in range(accepted):
             counts.accepted_per_pos[j] += 1
-        if trace_probs is None:  # greedy: a draft is accepted exactly when it is the trace's token
+        steps.append((n, proposals, accepted))
+        n += accepted + 1
+    if trace_probs is None:  # greedy: a draft is accepted exactly when it is the trace's token
+        for _, _, accepted in steps:
             for j in range(accepted):
                 counts.expected_accepted_per_pos[j] += 1.0
-        else:
-            _add_expected(counts, proposals, accepted, seq[:n], trace_probs[n - prompt_len :], verify)
-        n += accepted + 1
+    else:
+        _add_expected(counts, seq, prompt_len, steps, trace_probs, verify)
     counts.per_request.append(
         (counts.num_drafts - drafts0, [a - b for a, b in zip(counts.accepted_per_pos, accepted0)])
     )
@@ -204,30 +227,39 @@ def simulate_sequence(
 
 def _add_expected(
     counts: AcceptanceCounts,
-    proposals: list[int],
-    on_trace: int,
-    context: torch.Tensor,
+    seq: torch.Tensor,
+    prompt_len: int,
+    steps: list[tuple[int, list[int], int]],
     trace_probs: torch.Tensor,
     verify: VerifyPass | None,
 ) -> None:
-    """Add prod_{i<=j} p~_i(x_i) for each position j of one step. Drafts 1..on_trace equal the trace's
-    tokens, so p~ up to draft on_trace + 1 is the trace's own; past it the drafts left the trace and p~
-    comes from a verify pass over the context and the drafts, as vLLM's verify pass computes it."""
-    chain = None
-    q = 1.0
-    for j, tok in enumerate(proposals):
-        if j <= on_trace and j < len(trace_probs):
-            p = float(trace_probs[j, tok])
-        else:
-            if verify is None:
-                raise ValueError("sampled simulation needs a verify pass for drafts off the trace")
-            if chain is None:
-                chain = verify(context, proposals[: len(proposals) - 1])
-            p = float(chain[j, tok])
-        q *= p
-        if q == 0.0:
-            return
-        counts.expected_accepted_per_pos[j] += q
+    """Add q_j = prod_{i<=j} p~_i(x_i), and q_j (1 - q_j), for each position j of each step. Drafts
+    1..on_trace equal the trace's tokens, so p~ up to draft on_trace + 1 is the trace's own; past it
+    the drafts left the trace and p~ comes from one batched verify pass over the contexts and drafts,
+    as vLLM's verify pass computes it."""
+    chains: list[list[float]] = []
+    pending: list[tuple[int, int, list[int]]] = []  # (step, n, drafts) needing the verify pass
+    for s, (n, proposals, on_trace) in enumerate(steps):
+        p_known = []
+        for j, tok in enumerate(proposals):
+            if j > on_trace or n - prompt_len + j >= len(trace_probs):
+                break
+            p_known.append(float(trace_probs[n - prompt_len + j, tok]))
+        chains.append(p_known)
+        if len(p_known) < len(proposals) and math.prod(p_known) > 0.0:
+            pending.append((s, n, proposals[:-1]))
+    if pending:
+        if verify is None:
+            raise ValueError("sampled simulation needs a verify pass for drafts off the trace")
+        for (s, _, drafts), probs in zip(pending, verify(seq, [(n, d) for _, n, d in pending])):
+            proposals = steps[s][1]
+            chains[s] += [float(probs[j, proposals[j]]) for j in range(len(chains[s]), len(proposals))]
+    for chain in chains:
+        q = 1.0
+        for j, p in enumerate(chain):
+            q *= p
+            counts.expected_accepted_per_pos[j] += q
+            counts.expected_variance_per_pos[j] += q * (1.0 - q)
 
 
 def verifier_trace_with_aux(
@@ -279,16 +311,41 @@ def verifier_greedy_with_aux(
     return seq, aux
 
 
+def replay_with_aux(
+    model: Any, capture: Any, prompt: list[int], output: list[int], sampling: Sampling
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt + output, aux states, p~ of each output token) for an output vLLM sampled: one forward."""
+    device = next(model.parameters()).device
+    seq = torch.tensor(prompt + output)
+    with torch.no_grad():
+        capture.states.clear()
+        logits = model(input_ids=seq[None].to(device), use_cache=False).logits[0]
+    aux, _ = capture.pop()
+    probs = sampling.probs(logits[len(prompt) - 1 : len(seq) - 1]).cpu()
+    return seq, aux.flatten(1).float().cpu(), probs
+
+
+VERIFY_BATCH = 16  # verify-pass contexts per verifier forward (right-padded; causal, so pads change nothing)
+
+
 def verify_pass(model: Any, capture: Any, sampling: Sampling) -> VerifyPass:
-    """p~ after a context and after each of the drafts that follow it, from one forward of the verifier
-    over context + drafts (the verify pass of a speculative step): [len(drafts) + 1, V]."""
+    """p~ after seq[:n] and after each of the drafts that follow it, for many (n, drafts) of one
+    sequence: batched forwards of the verifier over seq[:n] + drafts (a speculative step's verify pass),
+    right-padded, since a causal model's logits at a position do not depend on later tokens."""
     device = next(model.parameters()).device
 
-    def run(context: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        ids = torch.cat([context, torch.tensor(drafts, dtype=context.dtype)]).to(device)
-        with torch.no_grad():
-            logits = model(input_ids=ids[None], use_cache=False).logits[0, len(context) - 1 :]
-        capture.states.clear()  # its hooks fire on every forward; this one's states are not needed
-        return sampling.probs(logits).cpu()
+    def run(seq: torch.Tensor, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for b in range(0, len(items), VERIFY_BATCH):
+            chunk = items[b : b + VERIFY_BATCH]
+            rows = [torch.cat([seq[:n], torch.tensor(d, dtype=seq.dtype)]) for n, d in chunk]
+            width = max(len(r) for r in rows)
+            batch = torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=int(r[-1])) for r in rows])
+            with torch.no_grad():
+                logits = model(input_ids=batch.to(device), use_cache=False).logits
+            capture.states.clear()  # its hooks fire on every forward; these states are not needed
+            for row, (n, d) in enumerate(chunk):
+                out.append(sampling.probs(logits[row, n - 1 : n + len(d)]).cpu())
+        return out
 
     return run

@@ -19,6 +19,7 @@ from eagle3_pipeline import storage
 from eagle3_pipeline.acceptance import (
     AcceptanceCounts,
     Sampling,
+    replay_with_aux,
     simulate_sequence,
     trace_length,
     verifier_trace_with_aux,
@@ -47,12 +48,10 @@ log = logging.getLogger("eagle3.evaluate")
 # 0.01 absolute per position (issue 9's bound) allows that at ~100 drafts, and is far below the effect
 # of any contract fault (a missing head_dim or d2t, or shifted aux ids, move rates by 0.2-0.9).
 RATE_TOLERANCE = 0.01
-# Sampled requests: vLLM's counters are one realisation of the sampler, the simulation's rates are exact
-# expectations over the draws of its own (independent) traces. Their difference has a standard deviation of
-# at most sqrt(2) x the standard error of one realisation's rate (Var(vLLM) = SE^2, Var(expected) <= SE^2),
-# which the simulation estimates from its requests (AcceptanceCounts.rate_standard_errors). The
-# tolerance is SAMPLED_Z of those deviations (a 0.3% two-sided false alarm per position under normality),
-# never below RATE_TOLERANCE.
+# Sampled requests: the simulation replays vLLM's own outputs (acceptance.py, "Replaying vLLM"): drafts
+# must be equal, accepted counts equal up to the last steps' unshown positions, and vLLM's accepted count
+# per position within SAMPLED_Z standard deviations of the expected one, sqrt(sum q(1-q)) given the steps
+# (0.3% two-sided false alarm per position under normality), never tighter than RATE_TOLERANCE x drafts.
 SAMPLED_Z = 3.0
 
 
@@ -113,9 +112,11 @@ def simulate(
     k: int,
     trust_remote_code: bool = False,
     sampling: Sampling = Sampling(),
+    replay: list[list[int]] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """(acceptance summary, continuations) from the simulation: greedy, or sampled with request i's
-    trace drawn from a generator seeded sampling.seed + i (as vLLM's requests are seeded, run_vllm)."""
+    """(acceptance summary, continuations) from the simulation: greedy; sampled, request i's trace drawn
+    from a generator seeded sampling.seed + i (as vLLM's requests are seeded); or, `replay`, counted
+    over vLLM's sampled outputs for the same requests."""
     facts = verifier_facts(verifier_path)
     embed = load_verifier_tensors(verifier_path, facts.tie_word_embeddings)["embed_tokens"]
     draft = ReferenceDraft(draft_dir, embed)
@@ -132,10 +133,13 @@ def simulate(
     outputs = []
     try:
         for i, prompt in enumerate(progress(prompts, desc="simulate", unit="prompt")):
-            gen = torch.Generator().manual_seed(sampling.seed + i)
-            seq, aux, probs = verifier_trace_with_aux(
-                model, capture, prompt, trace_length(max_new_tokens, k), sampling, gen
-            )
+            if replay is not None:
+                seq, aux, probs = replay_with_aux(model, capture, prompt, replay[i], sampling)
+            else:
+                gen = torch.Generator().manual_seed(sampling.seed + i)
+                seq, aux, probs = verifier_trace_with_aux(
+                    model, capture, prompt, trace_length(max_new_tokens, k), sampling, gen
+                )
             simulate_sequence(draft, aux, seq, len(prompt), k, counts, max_new_tokens, probs, verify)
             outputs.append(seq[len(prompt) : len(prompt) + max_new_tokens].tolist())
     finally:
@@ -143,32 +147,39 @@ def simulate(
     return counts.summary(sampled=not sampling.greedy), outputs
 
 
-def rate_tolerances(sim: dict[str, Any]) -> list[float]:
-    """Per position: RATE_TOLERANCE (greedy, exact counters), or SAMPLED_Z deviations of the difference
-    between vLLM's realisation and the simulation's expectation (sampled), at least RATE_TOLERANCE."""
-    errors = sim.get("rate_standard_error_per_pos")
-    if errors is None:
-        return [RATE_TOLERANCE] * len(sim["acceptance_rate_per_pos"])
-    return [max(RATE_TOLERANCE, SAMPLED_Z * 2**0.5 * e) for e in errors]
-
-
-def compare(sim: dict[str, Any], vllm: dict[str, Any], reference: list[list[int]]) -> dict[str, Any]:
-    """The checks that make vLLM's numbers trustworthy: greedy, lossless output (token for token the
-    verifier's greedy output) and rates within RATE_TOLERANCE; sampled, rates within the tolerance the
-    sampling noise gives (outputs are draws of different generators: compared in law, by the rates)."""
-    sampled = "rate_standard_error_per_pos" in sim
-    lossless = None if sampled else vllm["outputs"] == reference
-    tolerances = rate_tolerances(sim)
-    diffs = [abs(a - b) for a, b in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
+def compare(sim: dict[str, Any], vllm: dict[str, Any], reference: list[list[int]] | None) -> dict[str, Any]:
+    """The checks that make vLLM's numbers trustworthy. Greedy: lossless output (token for token the
+    verifier's greedy output `reference`) and rates within RATE_TOLERANCE. Sampled (`sim` replayed
+    vLLM's outputs): the same drafts, accepted counts as the outputs settle them, and vLLM's rates
+    within SAMPLED_Z standard deviations of the simulation's expected ones."""
+    if "expected_variance_per_pos" not in sim:
+        lossless = vllm["outputs"] == reference
+        diffs = [abs(a - b) for a, b in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
+        return {
+            "lossless": lossless,
+            "rate_diff_per_pos": diffs,
+            "rate_tolerance_per_pos": [RATE_TOLERANCE] * len(diffs),
+            "rates_agree": all(d <= RATE_TOLERANCE for d in diffs),
+            "first_mismatch": None
+            if lossless
+            else next((i for i, (a, b) in enumerate(zip(vllm["outputs"], reference)) if a != b), None),
+        }
+    drafts = max(vllm["num_drafts"], 1)
+    settled = [
+        lo <= v <= lo + u
+        for lo, v, u in zip(sim["accepted_per_pos"], vllm["accepted_per_pos"], sim["unverifiable_per_pos"])
+    ]
+    tolerances = [max(SAMPLED_Z * var**0.5, RATE_TOLERANCE * drafts) / drafts for var in sim["expected_variance_per_pos"]]
+    diffs = [abs(e / drafts - v / drafts) for e, v in zip(sim["expected_accepted_per_pos"], vllm["accepted_per_pos"])]
     return {
-        "lossless": lossless,
+        "lossless": None,  # sampled outputs are compared in law (the rates), not token for token
+        "drafts_equal": sim["num_drafts"] == vllm["num_drafts"],
+        "accepted_settled_per_pos": settled,
         "rate_diff_per_pos": diffs,
-        "rate_tolerance": RATE_TOLERANCE,
         "rate_tolerance_per_pos": tolerances,
-        "rates_agree": all(d <= t for d, t in zip(diffs, tolerances)),
-        "first_mismatch": None
-        if lossless in (None, True)
-        else next((i for i, (a, b) in enumerate(zip(vllm["outputs"], reference)) if a != b), None),
+        "rates_agree": sim["num_drafts"] == vllm["num_drafts"]
+        and all(settled)
+        and all(d <= t for d, t in zip(diffs, tolerances)),
     }
 
 
@@ -226,12 +237,6 @@ def run(cfg: EvaluateConfig) -> int:
         "config": config_to_dict(cfg),
         "versions": storage.versions(),
     }
-    reference = None
-    if cfg.engine in ("sim", "both"):
-        result["sim"], reference = simulate(
-            verifier_path, draft_dir, requests, cfg.max_new_tokens, k, cfg.trust_remote_code, sampling
-        )
-        _log("sim", result["sim"])
     if cfg.engine in ("vllm", "both"):
         result["vllm"] = vllm_engine.generate(
             verifier_path,
@@ -244,6 +249,14 @@ def run(cfg: EvaluateConfig) -> int:
             sampling=sampling,
         )
         _log("vllm", result["vllm"])
+    reference = None
+    if cfg.engine in ("sim", "both"):
+        # sampled `both`: the simulation counts over vLLM's own outputs (compare); greedy: its own trace
+        replay = result["vllm"]["outputs"] if cfg.engine == "both" and not sampling.greedy else None
+        result["sim"], reference = simulate(
+            verifier_path, draft_dir, requests, cfg.max_new_tokens, k, cfg.trust_remote_code, sampling, replay
+        )
+        _log("sim" if replay is None else "sim (replaying vLLM's outputs)", result["sim"])
     if cfg.engine == "both":
         result["comparison"] = c = compare(result["sim"], result["vllm"], reference)
         log.info(

