@@ -202,7 +202,12 @@ def run(cfg: EvaluateConfig) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"acceptance_{cfg.engine}.json"
     storage.write_json_atomic(out_dir / name, result)
-    log.info("wrote %s", out_dir / name)
+    from eagle3_pipeline.plots import write_acceptance_plot  # matplotlib only once there is a result
+
+    engines = {e: result[e] for e in ("sim", "vllm") if e in result}
+    title = f"acceptance per position, {len(prompts)} prompts, k={k}"
+    plot = write_acceptance_plot(out_dir / f"acceptance_{cfg.engine}.png", engines, title)
+    log.info("wrote %s and %s", out_dir / name, plot)
     if cfg.engine == "both" and not (
         result["comparison"]["lossless"] and result["comparison"]["rates_agree"]
     ):
