@@ -306,7 +306,6 @@ def run(cfg: TrainConfig) -> int:
             final.get("acceptance_length", float("nan")),
             prog.history["untrained"]["acceptance_length"],
         )
-        log.info("next: python 05_export.py --train-dir %s --out-dir DRAFT_DIR (or --config)", cfg.out_dir)
     if dist.enabled:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
