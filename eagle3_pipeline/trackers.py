@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -117,7 +118,7 @@ class _Wandb:
         import wandb
 
         os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed; `wandb sync` later
-        state.setdefault("wandb", wandb.util.generate_id())
+        state.setdefault("wandb", uuid.uuid4().hex[:8])  # wandb ids: short, lowercase alphanumeric
         self.run = wandb.init(
             project=PROJECT, name=out_dir.name, id=state["wandb"], resume="allow", dir=str(out_dir),
             config=config,
