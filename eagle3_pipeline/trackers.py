@@ -7,8 +7,8 @@ the global optimizer step, so a resumed run continues the same curves:
                (SummaryWriter's purge_step), so steps logged again after an interruption show once
   wandb        offline by default (WANDB_MODE=online to upload), files under <out_dir>/wandb, the run id
                kept in <out_dir>/trackers.json and resumed ("allow") under the same id
-  mlflow       a local store <out_dir>/mlruns (MLFLOW_TRACKING_URI to use a server), the run id kept in
-               trackers.json and reopened on resume
+  mlflow       a local store <out_dir>/mlflow.db (SQLite; MLFLOW_TRACKING_URI to use a server), the run
+               id kept in trackers.json and reopened on resume
   trackio      its local project database; the run name is the run folder's, resumed ("allow")
 Only rank 0 opens a tracker under torchrun; the others get an empty fan-out.
 """
@@ -136,7 +136,8 @@ class _Mlflow:
     def __init__(self, out_dir: Path, config: dict[str, Any], resume_step: int, state: dict) -> None:
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (out_dir / "mlruns").resolve().as_uri()
+        # mlflow 3 refuses its file store ("maintenance mode"): a SQLite file in the run folder instead
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         if "mlflow" not in state:
             exp = self.client.get_experiment_by_name(PROJECT)
