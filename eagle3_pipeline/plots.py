@@ -97,10 +97,7 @@ def write_training_plots(train_dir: Path, history: dict[str, Any]) -> list[Path]
     paths = []
     for name, series in training_series(train_dir, history).items():
         title, ylabel, log_y = TRAINING_PLOTS[name]
-        styles = {"logged": "o", "validation": "o-", "untrained": "o"}
-        paths.append(
-            line_plot(out_dir / f"{name}.png", title, "optimizer step", ylabel, series, log_y, styles)
-        )
+        paths.append(line_plot(out_dir / f"{name}.png", title, "optimizer step", ylabel, series, log_y))
     return paths
 
 
@@ -111,14 +108,12 @@ def line_plot(
     ylabel: str,
     series: Series,
     log_y: bool = False,
-    styles: dict[str, str] | None = None,
 ) -> Path:
+    """Lines per series; validations (a few points, far apart) and logged lr values get markers."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for label, (x, y) in series.items():
-        style = (styles or {}).get(label, "-")
-        if label.startswith("val "):
-            style = "o-"
+        style = "o" if label == "logged" else "o-" if label.startswith("val") else "-"
         ax.plot(x, y, style, label=label, markersize=3)
     if log_y and all(v > 0 for _, ys in series.values() for v in ys):
         ax.set_yscale("log")

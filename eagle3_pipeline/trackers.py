@@ -56,6 +56,8 @@ def check_loggers(names: list[str]) -> None:
 
 
 class Sink(Protocol):
+    where: str  # for the log line: where its files or its run are
+
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
