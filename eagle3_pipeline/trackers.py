@@ -7,8 +7,8 @@ the global optimizer step, so a resumed run continues the same curves:
                (SummaryWriter's purge_step), so steps logged again after an interruption show once
   wandb        offline by default (WANDB_MODE=online to upload), files under <out_dir>/wandb, the run id
                kept in <out_dir>/trackers.json and resumed ("allow") under the same id
-  mlflow       a local store <out_dir>/mlflow.db (SQLite; MLFLOW_TRACKING_URI to use a server), the run
-               id kept in trackers.json and reopened on resume
+  mlflow       a local store <out_dir>/mlflow.db (SQLite) and <out_dir>/mlflow-artifacts
+               (MLFLOW_TRACKING_URI to use a server), the run id kept in trackers.json, reopened on resume
   trackio      its local project database; the run name is the run folder's, resumed ("allow")
 Only rank 0 opens a tracker under torchrun; the others get an empty fan-out.
 """
@@ -139,11 +139,14 @@ class _Mlflow:
         from mlflow.tracking import MlflowClient
 
         # mlflow 3 refuses its file store ("maintenance mode"): a SQLite file in the run folder instead
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+        server = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = server or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+        # without a server, artifacts would land in ./mlruns of whatever folder the run started in
+        artifacts = None if server else (out_dir / "mlflow-artifacts").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         if "mlflow" not in state:
             exp = self.client.get_experiment_by_name(PROJECT)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(PROJECT)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(PROJECT, artifacts)
             state["mlflow"] = self.client.create_run(exp_id, run_name=out_dir.name).info.run_id
             self.client.log_dict(state["mlflow"], config, "config.json")
         else:
