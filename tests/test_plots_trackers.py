@@ -81,8 +81,8 @@ def test_resume_continues_plots_and_tensorboard_curves_without_gaps_or_repeats(t
 
 def test_unknown_logger_is_refused_before_any_work(tmp_path):
     out = tmp_path / "t"
-    proc = run_script(script("04_train.py"), "--config", str(REPO / "configs" / "tiny.toml"),
-                      "--out-dir", str(out), "--logger", "tensorboard", "tensorbored", check=False)  # fmt: skip
+    proc = run_script(script("04_train.py"), "--config", str(REPO / "configs" / "tiny.toml"), "--out-dir",
+                      str(out), "--logger", "tensorboard", "tensorbored", check=False)  # fmt: skip
     assert proc.returncode == 2 and "tensorbored" in proc.stderr and "Traceback" not in proc.stderr
     assert "tensorboard, wandb, mlflow, trackio" in proc.stderr
     assert not out.exists()  # nothing read, nothing written (the shards named in the config are absent)
