@@ -23,6 +23,17 @@ log = logging.getLogger("eagle3")
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
+# What to run after each stage: the next script with the same --config, or with the flag that takes
+# this stage's output (stage 06 ends the pipeline: its JSON and plot are the result).
+NEXT_STAGE = {
+    "regenerate": ("01_extract_hidden_states.py", "--data-path {out}/conversations.jsonl"),
+    "extract": ("02_build_vocab_mapping.py", "--data-dir {out} (after the last shard)"),
+    "vocab": ("03_split_data.py", "--data-dir SHARDS, then 04_train.py --vocab-mapping-dir {out}"),
+    "split": ("04_train.py", "--split-dir {out}"),
+    "train": ("05_export.py", "--train-dir {out} --out-dir DRAFT"),
+    "export": ("06_evaluate.py", "--draft-dir {out} --data-path PROMPTS"),
+}
+
 
 def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
@@ -76,6 +87,10 @@ def run_stage(
         if extra_args is not None:
             cfg = (cfg, args)
         code = body(cfg)
+        if not code:
+            hint = next_step(section, cfg, args.config)
+            if hint:
+                log.info(hint)
     except UserError as e:
         log.error("error: %s", e)
         return EXIT_USER_ERROR
@@ -83,6 +98,15 @@ def run_stage(
         log.error("interrupted")
         return EXIT_INTERRUPTED
     return int(code or 0)
+
+
+def next_step(section: str, cfg: Any, config_path: str | None) -> str | None:
+    """The command to run next after a successful stage, or None after the last one."""
+    if section not in NEXT_STAGE:
+        return None
+    script, flags = NEXT_STAGE[section]
+    out = getattr(cfg[0] if isinstance(cfg, tuple) else cfg, "out_dir", None)
+    return f"next: python {script} " + (f"--config {config_path}" if config_path else flags.format(out=out))
 
 
 def progress(iterable: Any = None, **kw: Any) -> Any:

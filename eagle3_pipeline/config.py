@@ -236,6 +236,13 @@ class TrainConfig:
         True, "Train the draft lm_head, initialised from the verifier's rows (--no-train-lm-head: frozen)."
     )
     log_every: int = _f(10, "Optimizer steps between log lines.")
+    loggers: list[str] = _f(
+        [],
+        "Experiment trackers, several allowed (`--logger tensorboard wandb`): tensorboard "
+        "(<out_dir>/tensorboard), wandb (offline unless WANDB_MODE=online), mlflow (<out_dir>/mlruns "
+        "unless MLFLOW_TRACKING_URI), trackio; rank 0 only, x axis the global step (trackers.py).",
+        aliases=["--logger"],
+    )
     eval_every: int | None = _f(
         None, "Optimizer steps between validations (and at the end); default: a tenth of the run."
     )

@@ -269,7 +269,14 @@ def run(cfg: EvaluateConfig) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / result_name(cfg.engine, sampling)
     storage.write_json_atomic(path, result)
-    log.info("wrote %s", path)
+    from eagle3_pipeline.plots import write_acceptance_plot  # matplotlib only once there is a result
+
+    engines = {e: result[e] for e in ("sim", "vllm") if e in result}
+    title = f"acceptance per position, {len(requests)} requests, k={k}" + (
+        "" if sampling.greedy else f", temperature {sampling.temperature:g} / top_p {sampling.top_p:g}"
+    )
+    plot = write_acceptance_plot(path.with_suffix(".png"), engines, title)
+    log.info("wrote %s and %s", path, plot)
     if cfg.engine == "both" and not (c["lossless"] in (None, True) and c["rates_agree"]):
         log.error("vLLM and the simulation disagree (see %s)", path)
         return 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import checkpoint, schedule, storage
+from eagle3_pipeline import checkpoint, plots, schedule, storage, trackers
 from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TrainConfig, config_to_dict
@@ -218,6 +218,7 @@ def restore(resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any
 
 
 def run(cfg: TrainConfig) -> int:
+    trackers.check_loggers(cfg.loggers)  # an unknown or missing tracker stops the run before any work
     dist, device = init_distributed()
     torch.manual_seed(cfg.seed)
     kernels.check_loss(cfg.loss)
@@ -280,10 +281,19 @@ def run(cfg: TrainConfig) -> int:
         cfg.lr,
         cfg.lr_schedule,
     )
-    loop = TrainLoop(
-        cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data, kern
+    tracker = trackers.open_trackers(
+        cfg.loggers, Path(cfg.out_dir), config_to_dict(cfg), prog.step, dist.rank
     )
-    code = loop.run(prog)
+    loop = TrainLoop(
+        cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data, kern, tracker
+    )
+    try:
+        code = loop.run(prog)
+    finally:
+        tracker.close()
+    if dist.rank == 0:  # interrupted too: the plots show the run so far
+        paths = plots.write_training_plots(Path(cfg.out_dir), prog.history)
+        log.info("plots %s", ", ".join(str(p) for p in paths))
     if code:
         return code
     if dist.rank == 0 and "untrained" in prog.history:
@@ -318,6 +328,7 @@ class TrainLoop:
     scheduler: Any
     data: RunData
     kern: kernels.Kernels
+    tracker: trackers.Trackers = field(default_factory=trackers.Trackers)
 
     def __post_init__(self) -> None:
         self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
@@ -398,6 +409,7 @@ class TrainLoop:
         if "untrained" not in prog.history and self.data.val_refs:
             prog.history["untrained"] = self.validate()
             log_validation(0, prog.history["untrained"], "untrained")
+            self.tracker.log(_prefixed("val", prog.history["untrained"]), 0)
         stop = StopFlag()
         meter = _Meter(prog.step)
         bar = progress(total=plan.total_steps, initial=prog.step, desc="train", unit="step")
@@ -432,6 +444,7 @@ class TrainLoop:
             val = self.validate()
             prog.history[f"step_{prog.step}"] = val
             log_validation(prog.step, val, "val")
+            self.tracker.log(_prefixed("val", val), prog.step)
         stopping = stop.agreed(self.dist, self.device)
         if prog.step % self.plan.save_every == 0 or last or stopping or val is not None:
             self._save(prog, val)
@@ -462,6 +475,7 @@ class TrainLoop:
         )
         if self.dist.rank == 0:
             storage.append_text(Path(self.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
+        self.tracker.log(_prefixed("train", {k: v for k, v in line.items() if k != "step"}), step)
         meter.sums = {}
 
     def _save(self, prog: Progress, val: dict[str, float] | None) -> None:
@@ -514,6 +528,11 @@ class _Meter:
     t0: float = field(default_factory=time.time)
     tokens: int = 0
     sums: dict[str, float] = field(default_factory=dict)
+
+
+def _prefixed(group: str, metrics: dict[str, float]) -> dict[str, float]:
+    """Tracker keys such as train/loss, val/acc_0: one panel group per source."""
+    return {f"{group}/{k}": float(v) for k, v in metrics.items()}
 
 
 def _check_checkpoint_space(cfg: TrainConfig, trainable: int) -> None:

@@ -19,3 +19,8 @@ fi
 "$PY" 04_train.py --config "$CONFIG"
 "$PY" 05_export.py --config "$CONFIG"
 "$PY" 06_evaluate.py --config "$CONFIG" --engine sim
+# the baseline: the draft as training initialised it, exported beside the trained one, on the same prompts
+UNTRAINED=$("$PY" -m eagle3_pipeline.summary --config "$CONFIG" --untrained-dir)
+"$PY" 05_export.py --config "$CONFIG" --checkpoint init --out-dir "$UNTRAINED"
+"$PY" 06_evaluate.py --config "$CONFIG" --engine sim --draft-dir "$UNTRAINED"
+"$PY" -m eagle3_pipeline.summary --config "$CONFIG"   # trained vs untrained per position; where things are

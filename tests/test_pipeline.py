@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import CONVERSATIONS, extract_args, read_jsonl, run_script, script, shard_of
 from safetensors import safe_open
@@ -223,3 +224,27 @@ def test_batched_extraction_equals_one_sequence_at_a_time(tiny_verifier, tmp_pat
     )
     for key in ("aux_hidden_states", "last_hidden_state"):
         torch.testing.assert_close(one[key], batched[key], rtol=1e-4, atol=1e-4)
+
+
+def test_sampled_evaluation_writes_expected_acceptance_beside_its_realisation(tiny_run, tmp_path):
+    """06_evaluate at Kimi's thinking settings: its own file, expected rates with their standard errors,
+    deterministic for a seed; out-of-range sampling settings are refused naming the flag."""
+    args = [script("06_evaluate.py"), "--config", str(tiny_run / "tiny.toml"), "--engine", "sim",
+            "--num-prompts", "2", "--max-new-tokens", "24", "--temperature", "1.0", "--top-p", "0.95",
+            "--samples-per-prompt", "2", "--out-dir", str(tmp_path)]  # fmt: skip
+    run_script(*args)
+    first = json.loads((tmp_path / "acceptance_sim_t1_p0.95.json").read_text())
+    run_script(*args)
+    again = json.loads((tmp_path / "acceptance_sim_t1_p0.95.json").read_text())
+    sim = first["sim"]
+    assert first["num_requests"] == 4 and first["sampling"] == {
+        "temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 0}  # fmt: skip
+    assert sim == again["sim"]  # seeded: the same traces and counts
+    assert len(sim["rate_standard_error_per_pos"]) == 3 and sim["num_drafts"] > 0
+    assert sim["mean_acceptance_length"] == pytest.approx(1 + sum(sim["expected_accepted_per_pos"]) / sim["num_drafts"])
+    for flag, value, why in [("--temperature", "-1", "--temperature must be >= 0"),
+                             ("--top-p", "0", "--top-p must be in (0, 1]"),
+                             ("--samples-per-prompt", "0", "--samples-per-prompt must be >= 1"),
+                             ("--num-speculative-tokens", "0", "--num-speculative-tokens must be >= 1")]:  # fmt: skip
+        proc = run_script(*args, flag, value, check=False)
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
