@@ -46,6 +46,21 @@ def _engine_fields(gpus: int) -> dict[str, Any]:
     return {"dtype": "auto" if gpus else "float32", "tensor_parallel_size": max(gpus, 1)}
 
 
+def generate_fields(
+    verifier: Path, draft: Path | None, prompts: list[list[int]], max_new_tokens: int, k: int,
+    trust_remote_code: bool,
+) -> dict[str, Any]:
+    """The worker's keys of a generate request (vllm_worker.py's REQ.json), sampling and engine aside."""
+    return {
+        "verifier": str(verifier),
+        "draft": None if draft is None else str(draft),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "num_speculative_tokens": k,
+        "trust_remote_code": trust_remote_code,
+    }
+
+
 def sampling_fields(sampling: Any, num_prompts: int) -> dict[str, Any]:
     """The worker's sampling keys for acceptance.Sampling (None: greedy): one seed per request."""
     if sampling is None or sampling.greedy:
@@ -223,20 +238,8 @@ def generate(
     py = Path(python) if python else default_python()
     with tempfile.TemporaryDirectory(prefix="vllm-req-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(
-            json.dumps(
-                {
-                    "verifier": str(verifier),
-                    "draft": None if draft is None else str(draft),
-                    "prompts": prompts,
-                    "max_new_tokens": max_new_tokens,
-                    "num_speculative_tokens": k,
-                    "trust_remote_code": trust_remote_code,
-                    **sampling_fields(sampling, len(prompts)),
-                    **_engine_fields(gpus),
-                }
-            )
-        )
+        fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code)
+        req.write_text(json.dumps({**fields, **sampling_fields(sampling, len(prompts)), **_engine_fields(gpus)}))
         proc = subprocess.run(
             [str(py), str(WORKER), "--request", str(req), "--out", str(out)],
             env=_worker_env(),
@@ -262,13 +265,6 @@ def generate_each(
 ) -> list[dict[str, Any]]:
     """`generate` once per sampling setting (acceptance.Sampling, None: greedy) in one worker session:
     the engine starts once, since sampling parameters are per request in vLLM."""
-    fields = {
-        "verifier": str(verifier),
-        "draft": None if draft is None else str(draft),
-        "prompts": prompts,
-        "max_new_tokens": max_new_tokens,
-        "num_speculative_tokens": k,
-        "trust_remote_code": trust_remote_code,
-    }
+    fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code)
     with WorkerSession(python) as session:
         return [session.request({**fields, **sampling_fields(s, len(prompts))}) for s in samplings]
