@@ -186,7 +186,8 @@ def test_train_plan_counts_the_steps_training_runs(tiny_shards, tmp_path):
     planned = json.loads((tmp_path / "plan.json").read_text())["steps"]
     trained = json.loads((tmp_path / "t" / "meta.json").read_text())["plan"]
     assert planned["steps_per_epoch"] == trained["steps_per_epoch"]
-    assert planned["total_steps"] == trained["steps_per_epoch"] * 40  # tiny.toml: 40 epochs
+    epochs = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())["train"]["epochs"]
+    assert planned["total_steps"] == trained["steps_per_epoch"] * epochs
 
 
 def test_runs_that_would_not_fit_refuse_to_start_with_the_numbers(

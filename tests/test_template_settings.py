@@ -105,7 +105,7 @@ def run_evaluate(monkeypatch, kimi_dir, draft, data, kwargs=None):
     )
     seen = {}
 
-    def fake_simulate(verifier_path, draft_dir, prompts, max_new_tokens, k, trust_remote_code=False):
+    def fake_simulate(verifier_path, draft_dir, prompts, max_new_tokens, k, *args, **kwargs):
         seen["prompts"] = prompts
         return {"mean_acceptance_length": 1.0, "acceptance_rate_per_pos": [0.0] * k, "num_drafts": 0}, []
 
