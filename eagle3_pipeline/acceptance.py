@@ -303,14 +303,6 @@ def verifier_trace_with_aux(
     return seq.cpu(), aux.flatten(1).float().cpu(), torch.stack(probs) if probs else None
 
 
-def verifier_greedy_with_aux(
-    model: Any, capture: Any, prompt: list[int], max_new_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt + greedy continuation, aux states of every position of it): verifier_trace_with_aux."""
-    seq, aux, _ = verifier_trace_with_aux(model, capture, prompt, max_new_tokens)
-    return seq, aux
-
-
 def replay_with_aux(
     model: Any, capture: Any, prompt: list[int], output: list[int], sampling: Sampling
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -340,7 +332,8 @@ def verify_pass(model: Any, capture: Any, sampling: Sampling) -> VerifyPass:
             chunk = items[b : b + VERIFY_BATCH]
             rows = [torch.cat([seq[:n], torch.tensor(d, dtype=seq.dtype)]) for n, d in chunk]
             width = max(len(r) for r in rows)
-            batch = torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=int(r[-1])) for r in rows])
+            pad = torch.nn.functional.pad
+            batch = torch.stack([pad(r, (0, width - len(r)), value=int(r[-1])) for r in rows])
             with torch.no_grad():
                 logits = model(input_ids=batch.to(device), use_cache=False).logits
             capture.states.clear()  # its hooks fire on every forward; these states are not needed

@@ -169,8 +169,13 @@ def compare(sim: dict[str, Any], vllm: dict[str, Any], reference: list[list[int]
         lo <= v <= lo + u
         for lo, v, u in zip(sim["accepted_per_pos"], vllm["accepted_per_pos"], sim["unverifiable_per_pos"])
     ]
-    tolerances = [max(SAMPLED_Z * var**0.5, RATE_TOLERANCE * drafts) / drafts for var in sim["expected_variance_per_pos"]]
-    diffs = [abs(e / drafts - v / drafts) for e, v in zip(sim["expected_accepted_per_pos"], vllm["accepted_per_pos"])]
+    tolerances = [
+        max(SAMPLED_Z * var**0.5, RATE_TOLERANCE * drafts) / drafts
+        for var in sim["expected_variance_per_pos"]
+    ]
+    diffs = [
+        abs(e - v) / drafts for e, v in zip(sim["expected_accepted_per_pos"], vllm["accepted_per_pos"])
+    ]
     return {
         "lossless": None,  # sampled outputs are compared in law (the rates), not token for token
         "drafts_equal": sim["num_drafts"] == vllm["num_drafts"],

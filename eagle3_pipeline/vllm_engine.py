@@ -239,7 +239,8 @@ def generate(
     with tempfile.TemporaryDirectory(prefix="vllm-req-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code)
-        req.write_text(json.dumps({**fields, **sampling_fields(sampling, len(prompts)), **_engine_fields(gpus)}))
+        fields.update(sampling_fields(sampling, len(prompts)), **_engine_fields(gpus))
+        req.write_text(json.dumps(fields))
         proc = subprocess.run(
             [str(py), str(WORKER), "--request", str(req), "--out", str(out)],
             env=_worker_env(),
