@@ -59,6 +59,8 @@ from eagle3_pipeline.reference_draft import ReferenceDraft
 
 # vLLM treats a temperature below this as greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS)
 SAMPLING_EPS = 1e-5
+# vLLM's speculative-config draft_sample_method values (vllm/config/speculative.py, DraftSampleMethod)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ def simulate_sequence(
     max_new_tokens: int | None = None,
     trace_probs: torch.Tensor | None = None,
     verify: VerifyPass | None = None,
+    probabilistic: Sampling | None = None,
+    coins: torch.Generator | None = None,
 ) -> None:
     """Count the drafts and acceptances of one prompt. aux: [len(seq), n_aux*H]; seq = prompt + trace.
 
@@ -183,7 +187,9 @@ def simulate_sequence(
     (a shorter one, e.g. vLLM's own output, leaves `unverifiable_per_pos`). Greedy: seq is the
     verifier's greedy trace. Sampling: seq was sampled from p~ (here or by vLLM) and `trace_probs[i]`
     is the p~ of token prompt_len + i; `verify` gives p~ on the draft chain where the drafts leave the
-    trace, for the expected counts.
+    trace, for the expected counts. `probabilistic` (the requests' sampling, with trace_probs): vLLM's
+    `draft_sample_method` "probabilistic" instead of argmax drafts (`probabilistic_step`; `coins` seeds
+    its accept tests).
     """
     total = seq.numel()
     end = total if max_new_tokens is None else min(total, prompt_len + max_new_tokens)
@@ -192,6 +198,14 @@ def simulate_sequence(
     n = prompt_len + 1  # the verifier's prefill emitted seq[prompt_len]
     drafts0, accepted0 = counts.num_drafts, list(counts.accepted_per_pos)
     steps: list[tuple[int, list[int], int]] = []
+    if probabilistic is not None and trace_probs is not None:
+        while n < end:
+            n += probabilistic_step(draft, (out0, logits0, cache), seq, prompt_len, n, k, trace_probs,
+                                    probabilistic.temperature, counts, coins) + 1  # fmt: skip
+        counts.per_request.append(
+            (counts.num_drafts - drafts0, [a - b for a, b in zip(counts.accepted_per_pos, accepted0)])
+        )
+        return
     while n < end:
         proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
         g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
@@ -223,6 +237,53 @@ def simulate_sequence(
     counts.per_request.append(
         (counts.num_drafts - drafts0, [a - b for a, b in zip(counts.accepted_per_pos, accepted0)])
     )
+
+
+def probabilistic_step(
+    draft: ReferenceDraft,
+    first: tuple[torch.Tensor, torch.Tensor, Any],
+    seq: torch.Tensor,
+    prompt_len: int,
+    n: int,
+    k: int,
+    trace_probs: torch.Tensor,
+    temperature: float,
+    counts: AcceptanceCounts,
+    coins: torch.Generator | None,
+) -> int:
+    """One step under vLLM's `draft_sample_method` "probabilistic": draft j is drawn from q_j =
+    softmax(draft logits / temperature) and accepted with probability min(1, p~_j(x) / q_j(x)); on a
+    rejection the token comes from (p~_j - q_j)+. Simulated by the maximal coupling of the draw with
+    the trace's token t_j ~ p~_j: the draft equals t_j with probability a_j = min(1, q_j(t_j) / p~_j(t_j))
+    (else it is drawn from (q_j - p~_j)+ and rejected), which gives the sampler's joint law of accepted
+    drafts and emitted tokens, the output still distributed as p~. Accepted drafts are the trace's
+    tokens, so the chain runs on the trace; the expected acceptance given the trace is prod_{i<=j} a_i.
+    `first`: the first pass's (carried outputs, logits, cache). Returns the accepted count."""
+    out0, logits0, cache = first
+    g, c, lg = out0[n - 2 : n - 1], cache.truncate(n - 1), logits0[n - 2]
+    chain: list[float] = []
+    for j in range(k):
+        if n + j >= seq.numel():  # past the trace: a shown output cannot settle these
+            for i in range(j, k):
+                counts.unverifiable_per_pos[i] += 1
+            break
+        t = int(seq[n + j])
+        q_t = draft.target_prob(lg, t, temperature)
+        chain.append(min(1.0, q_t / float(trace_probs[n - prompt_len + j, t])))
+        if j + 1 < k:
+            g, logits, c = draft.step(g, torch.tensor([t]), torch.tensor([n - 1 + j]), c)
+            lg = logits[0]
+    u = torch.rand(len(chain), generator=coins).tolist()
+    accepted = next((j for j, (a, x) in enumerate(zip(chain, u)) if x >= a), len(chain))
+    counts.num_drafts += 1
+    counts.num_draft_tokens += k
+    q = 1.0
+    for j, a in enumerate(chain):
+        counts.accepted_per_pos[j] += int(j < accepted)
+        q *= a
+        counts.expected_accepted_per_pos[j] += q
+        counts.expected_variance_per_pos[j] += q * (1.0 - q)
+    return accepted
 
 
 def _add_expected(

@@ -294,6 +294,12 @@ class EvaluateConfig:
     top_p: float = _f(1.0, "Nucleus mass of the requests when --temperature > 0 (Kimi-K2.5: 0.95).")
     top_k: int = _f(0, "Top-k of the requests when --temperature > 0 (0: off).")
     seed: int = _f(0, "Sampling seed: request i is seeded seed + i, in the simulation and in vLLM alike.")
+    draft_sample_method: str = _f(
+        "greedy",
+        "vLLM's speculative-config draft_sample_method: greedy (the draft proposes its argmax; vLLM's default) "
+        "or probabilistic (drawn from the draft at the request's temperature, no top-p, and accepted with "
+        "probability min(1, p/q)). The simulation follows either; pass the same to vllm serve.",
+    )
     samples_per_prompt: int = _f(
         1, "Requests per prompt (sampling: independent draws, seeds in sequence; more = less noise)."
     )

@@ -125,8 +125,9 @@ def attach_verifier_tensors(
         model.lm_head.weight.copy_(rows)
         model.verifier_lm_head.weight.copy_(rows)
         model.verifier_norm.weight.copy_(tensors["norm"].float())
-        model.d2t.copy_(d2t)
-        model.t2d.copy_(t2d)
+        if model.d2t is not None:  # speculators keeps no mapping when the draft has the full vocab
+            model.d2t.copy_(d2t)
+            model.t2d.copy_(t2d)
 
 
 def trainable_names(model: Any, train_lm_head: bool) -> list[str]:

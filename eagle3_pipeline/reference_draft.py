@@ -89,6 +89,8 @@ class ReferenceDraft:
         draft_vocab = c.get("draft_vocab_size", c["vocab_size"])
         d2t = w.get("d2t")
         self.d2t = d2t.long() if d2t is not None else torch.zeros(draft_vocab, dtype=torch.long)
+        self.draft_index = torch.full((c["vocab_size"],), -1, dtype=torch.long)  # target id -> draft id
+        self.draft_index[self.to_target(torch.arange(draft_vocab))] = torch.arange(draft_vocab)
         self.embed = embed_tokens.float()
 
     # --- pieces -------------------------------------------------------------------------------
@@ -148,6 +150,13 @@ class ReferenceDraft:
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def target_prob(self, logits: torch.Tensor, target_id: int, temperature: float) -> float:
+        """q(target_id): vLLM's probabilistic draft distribution, softmax(logits / temperature) over the
+        draft vocab placed at its target ids (`compute_logits` fills the rest with -inf; the draft
+        ignores top-p and top-k, `compute_probs_and_sample_next_token`). 0 for a token outside it."""
+        i = int(self.draft_index[target_id])
+        return 0.0 if i < 0 else float((logits.float() / temperature).softmax(-1)[i])
 
     # --- what vLLM runs -------------------------------------------------------------------------
     @torch.no_grad()

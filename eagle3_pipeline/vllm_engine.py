@@ -49,9 +49,12 @@ def _engine_fields(gpus: int) -> dict[str, Any]:
 def generate_fields(
     verifier: Path, draft: Path | None, prompts: list[list[int]], max_new_tokens: int, k: int,
     trust_remote_code: bool,
+    draft_sample_method: str = "greedy",
 ) -> dict[str, Any]:
-    """The worker's keys of a generate request (vllm_worker.py's REQ.json), sampling and engine aside."""
+    """The worker's keys of a generate request (vllm_worker.py's REQ.json), sampling and engine aside;
+    `draft_sample_method` is vLLM's ("greedy": the draft's argmax; "probabilistic": drawn from it)."""
     return {
+        "draft_sample_method": draft_sample_method,
         "verifier": str(verifier),
         "draft": None if draft is None else str(draft),
         "prompts": prompts,
@@ -226,9 +229,11 @@ def generate(
     timeout_s: int = 1800,
     trust_remote_code: bool = False,
     sampling: Any = None,
+    draft_sample_method: str = "greedy",
 ) -> dict[str, Any]:
     """Generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs. Greedy, or
-    `sampling` (acceptance.Sampling): request i seeded sampling.seed + i."""
+    `sampling` (acceptance.Sampling): request i seeded sampling.seed + i (vLLM 0.32 does not seed the
+    draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`)."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -238,7 +243,8 @@ def generate(
     py = Path(python) if python else default_python()
     with tempfile.TemporaryDirectory(prefix="vllm-req-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code)
+        fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code,
+                                 draft_sample_method)  # fmt: skip
         fields.update(sampling_fields(sampling, len(prompts)), **_engine_fields(gpus))
         req.write_text(json.dumps(fields))
         proc = subprocess.run(
@@ -263,9 +269,10 @@ def generate_each(
     samplings: list[Any],
     python: str | Path | None = None,
     trust_remote_code: bool = False,
+    draft_sample_method: str = "greedy",
 ) -> list[dict[str, Any]]:
     """`generate` once per sampling setting (acceptance.Sampling, None: greedy) in one worker session:
     the engine starts once, since sampling parameters are per request in vLLM."""
-    fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code)
+    fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code, draft_sample_method)
     with WorkerSession(python) as session:
         return [session.request({**fields, **sampling_fields(s, len(prompts))}) for s in samplings]

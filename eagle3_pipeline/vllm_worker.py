@@ -221,6 +221,8 @@ def load_request(path: str) -> dict:
     for key in ("temperature", "top_p"):
         if key in req and not isinstance(req[key], (int, float)):
             raise RequestError(f"{key} must be a number")
+    if req.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
+        raise RequestError("draft_sample_method must be 'greedy' or 'probabilistic'")
     seeds = req.get("seeds")
     if seeds is not None and (
         not isinstance(seeds, list) or len(seeds) != len(prompts) or not all(_is_int(x) for x in seeds)
@@ -295,7 +297,7 @@ def write_json_atomic(path: str, obj: dict) -> None:
 CPU_ONLY_ENGINE_SETTINGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
-               "engine_overrides")  # fmt: skip
+               "engine_overrides", "draft_sample_method")  # fmt: skip
 # The CPU build's replacement for vLLM's hidden-states connector (scripts/vllm_cpu_plugin/connector.py)
 CPU_CONNECTOR = {"kv_connector": "CpuHiddenStatesConnector",
                  "kv_connector_module_path": "eagle3_vllm_cpu.connector"}  # fmt: skip
@@ -353,7 +355,8 @@ def engine_kwargs(req: dict) -> dict:
         trust_remote_code=req.get("trust_remote_code", False),
     )
     if draft is not None:
-        kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
+                                        "draft_sample_method": req.get("draft_sample_method", "greedy")}
     if req["task"] == "extract":
         # vLLM's extract_hidden_states method: the states at layer_ids (ascending; id = number of layers
         # is the last layer's pre-norm output) go through its KV cache to one safetensors file per

@@ -42,9 +42,9 @@ def mappings(selected: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, tor
     return d2t, t2d
 
 
-def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """What vLLM does with d2t: target id = draft id + offset."""
-    return draft_ids + d2t[draft_ids]
+def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
+    """What vLLM does with d2t: target id = draft id + offset (none with the full vocab: the same id)."""
+    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
 
 
 def run(cfg: VocabConfig) -> int:

@@ -222,3 +222,77 @@ def test_greedy_counts_are_their_own_expectation():
     simulate_sequence(OracleDraft(seq, 50, {6, 13}), torch.zeros(len(seq), 4), seq, prompt, k, counts, max_new)
     assert counts.expected_accepted_per_pos == [4.0, 3.0, 2.0]
     assert counts.per_request == [(4, [4, 3, 2])]
+
+
+class SoftBigramDraft(BigramDraft):
+    """Draft probabilities Q[previous token] (logits log Q), for vLLM's probabilistic drafting."""
+
+    def _onehot(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.f[tokens].log()
+
+    def target_prob(self, logits: torch.Tensor, target_id: int, temperature: float) -> float:
+        return float((logits / temperature).softmax(-1)[target_id])
+
+
+def _vllm_probabilistic_sampling(P, Q, prompt, max_new, k, gen) -> tuple[int, list[int]]:
+    """vLLM's rejection sampler with draft probabilities (draft_sample_method "probabilistic"), written
+    out: x_j ~ Q[x_{j-1}], accepted with probability min(1, P(x_j) / Q(x_j)), else a token from
+    (P - Q)+ and stop; after k accepts a bonus token from P. Returns (drafts, accepted per position)."""
+    seq, drafts, acc = list(prompt), 0, [0] * k
+    seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
+    while len(seq) - len(prompt) < max_new:
+        proposals, qs, prev = [], [], seq[-1]
+        for _ in range(k):
+            prev = int(torch.multinomial(Q[prev], 1, generator=gen))
+            proposals.append(prev)
+        drafts += 1
+        for j, x in enumerate(proposals):
+            p, q = P[seq[-1]], Q[seq[-1]]
+            if torch.rand((), generator=gen) < min(1.0, float(p[x] / q[x])):
+                seq.append(x)
+                acc[j] += 1
+                continue
+            rest = (p - q).clamp(min=0)
+            seq.append(int(torch.multinomial(rest / rest.sum(), 1, generator=gen)))
+            break
+        else:
+            seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
+    return drafts, acc
+
+
+def _probabilistic_sim(P, Q, prompt, max_new, k, n):
+    from eagle3_pipeline.acceptance import AcceptanceCounts, Sampling, simulate_sequence, trace_length
+
+    counts, coins = AcceptanceCounts(k), torch.Generator().manual_seed(99)
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        seq = list(prompt)
+        for _ in range(trace_length(max_new, k)):
+            seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
+        probs = torch.stack([P[seq[t - 1]] for t in range(len(prompt), len(seq))])
+        simulate_sequence(SoftBigramDraft(Q), torch.zeros(len(seq), 1), torch.tensor(seq), len(prompt), k,
+                          counts, max_new, probs, probabilistic=Sampling(1.0), coins=coins)  # fmt: skip
+    return counts.summary(sampled=True)
+
+
+def test_probabilistic_drafting_simulation_matches_vllms_rule_in_expectation():
+    """Draft probabilities Q near the verifier's P: the simulation (maximal coupling with the trace)
+    averages to what the probabilistic rejection sampler accepts; Q = P accepts every draft."""
+    V, k, max_new, prompt, n = 6, 3, 12, [0, 1], 1500
+    P, _, _ = _bigram_world(V)
+    Q = torch.softmax(P.log() + torch.randn(V, V, generator=torch.Generator().manual_seed(3)), dim=-1)
+    s = _probabilistic_sim(P, Q, prompt, max_new, k, n)
+    gen, ref_drafts, ref_acc = torch.Generator().manual_seed(10**6), 0, [0] * k
+    for _ in range(n):
+        d, a = _vllm_probabilistic_sampling(P, Q, prompt, max_new, k, gen)
+        ref_drafts, ref_acc = ref_drafts + d, [x + y for x, y in zip(ref_acc, a)]
+    se = s["rate_standard_error_per_pos"]
+    for j in range(k):
+        ref = ref_acc[j] / ref_drafts
+        assert abs(s["acceptance_rate_per_pos"][j] - ref) < 4 * 2**0.5 * se[j], (s, ref_acc, ref_drafts)
+        assert abs(s["sampled_acceptance_rate_per_pos"][j] - ref) < 4 * 2**0.5 * se[j]
+        assert 0.002 < se[j] < 0.03
+    assert 0.05 < s["acceptance_rate_per_pos"][-1] < s["acceptance_rate_per_pos"][0] < 0.95
+    perfect = _probabilistic_sim(P, P, prompt, max_new, k, 20)
+    assert perfect["accepted_per_pos"] == [perfect["num_drafts"]] * k
+    assert perfect["mean_acceptance_length"] == pytest.approx(k + 1)
