@@ -385,3 +385,28 @@ def test_state_noise_is_relative_to_each_tokens_rms_seeded_and_touches_only_the_
     assert torch.equal(with_state_noise(batch, 0.1, seed=7)["hidden_states"], noisy["hidden_states"])
     assert not torch.equal(with_state_noise(batch, 0.1, seed=8)["hidden_states"], noisy["hidden_states"])
     assert all(noisy[k] is batch[k] for k in batch if k != "hidden_states")
+
+
+def test_a_full_vocabulary_draft_takes_the_verifiers_head_and_maps_ids_to_themselves():
+    """draft_vocab_size == vocab_size (for probabilistic drafting): speculators keeps no d2t/t2d then;
+    attaching the verifier's tensors and mapping ids must still work (both used to raise)."""
+    import dataclasses
+
+    from eagle3_pipeline.draft import attach_verifier_tensors, build_draft
+    from eagle3_pipeline.vocab import draft_to_target, mappings
+
+    spec = dataclasses.replace(SPEC, draft_vocab_size=SPEC.vocab_size)
+    model = build_draft(spec)
+    assert model.d2t is None
+    g = torch.Generator().manual_seed(0)
+    v, h = SPEC.vocab_size, SPEC.hidden_size
+    tensors = {"embed_tokens": torch.randn(v, h, generator=g), "lm_head": torch.randn(v, h, generator=g),
+               "norm": torch.ones(h)}  # fmt: skip
+    d2t, t2d = mappings(torch.arange(v), v)
+    attach_verifier_tensors(model, tensors, t2d, d2t)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head"])
+    ids = torch.tensor([0, 7, v - 1])
+    assert torch.equal(draft_to_target(ids, model.d2t), ids)
+    assert torch.equal(draft_to_target(ids, d2t), ids)  # the full mapping is the identity too
+    _, value, _ = _forward_per_step(model, _packed_row(), SDPA_EAGER, "tv")
+    assert torch.isfinite(value)
