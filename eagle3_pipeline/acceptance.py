@@ -202,9 +202,7 @@ def simulate_sequence(
         while n < end:
             n += probabilistic_step(draft, (out0, logits0, cache), seq, prompt_len, n, k, trace_probs,
                                     probabilistic.temperature, counts, coins) + 1  # fmt: skip
-        counts.per_request.append(
-            (counts.num_drafts - drafts0, [a - b for a, b in zip(counts.accepted_per_pos, accepted0)])
-        )
+        _record_request(counts, drafts0, accepted0)
         return
     while n < end:
         proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
@@ -234,6 +232,11 @@ def simulate_sequence(
                 counts.expected_accepted_per_pos[j] += 1.0
     else:
         _add_expected(counts, seq, prompt_len, steps, trace_probs, verify)
+    _record_request(counts, drafts0, accepted0)
+
+
+def _record_request(counts: AcceptanceCounts, drafts0: int, accepted0: list[int]) -> None:
+    """What one request added to the counters (its cluster, for the standard errors)."""
     counts.per_request.append(
         (counts.num_drafts - drafts0, [a - b for a, b in zip(counts.accepted_per_pos, accepted0)])
     )

@@ -165,9 +165,10 @@ def compare(
     vLLM's outputs): the same drafts, accepted counts as the outputs settle them, and vLLM's rates
     within SAMPLED_Z standard deviations of the simulation's expected ones. Probabilistic drafting: the
     rates only, within the noise of two estimates (COIN_SEED's comment)."""
+    rate_diffs = [abs(a - b) for a, b in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
     if "expected_variance_per_pos" not in sim:
         lossless = vllm["outputs"] == reference
-        diffs = [abs(a - b) for a, b in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
+        diffs = rate_diffs
         return {
             "lossless": lossless,
             "rate_diff_per_pos": diffs,
@@ -179,7 +180,7 @@ def compare(
         }
     drafts = max(vllm["num_drafts"], 1)
     if probabilistic:
-        diffs = [abs(a - b) for a, b in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
+        diffs = rate_diffs
         tolerances = [
             max(SAMPLED_Z * (2 * var) ** 0.5, RATE_TOLERANCE * drafts) / drafts
             for var in sim["expected_variance_per_pos"]
