@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
             name, extra = item
+            if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
+                # the headline run on this data set is the same training: not run twice
+                return name, drafts[f"{'speculators' if name == SPECULATORS_ROW else 'project'}/{a.ablation_data}"]
             run = f"abl{a.ablation_epochs}-" + "".join(c if c.isalnum() else "_" for c in name)
             if name == SPECULATORS_ROW:
                 return name, export(speculators_run(root, run, steps, log, threads), log, threads)
