@@ -59,8 +59,6 @@ from eagle3_pipeline.reference_draft import ReferenceDraft
 
 # vLLM treats a temperature below this as greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS)
 SAMPLING_EPS = 1e-5
-# vLLM's speculative-config draft_sample_method values (vllm/config/speculative.py, DraftSampleMethod)
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 @dataclass(frozen=True)

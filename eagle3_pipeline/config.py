@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import operator
 import tomllib
 import types
 import typing
@@ -18,10 +20,41 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.schedule import SCHEDULES
+from eagle3_pipeline.trackers import KNOWN_LOGGERS
+
+# Names that modules importing torch act on, owned here so that parsing a config never imports torch;
+# kernel_policy.py, state_dtype.py, acceptance.py, extract.py, train.py and the engines import them.
+ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")  # "auto" first: kernel_policy.py takes ATTN_IMPLS[1:]
+LOSS_IMPLS = ("auto", "fused", "eager")
+COMPILE_MODES = ("auto", "off", "on")
+FP8 = "float8_e4m3fn"  # the fp8 storage dtype (state_dtype.py)
+STORAGE_DTYPES = ("auto", "bfloat16", "float32", FP8)
+EXTRACT_DTYPES = ("auto", "bfloat16", "float16", "float32")  # extract.resolve_dtype
+TRAIN_DTYPES = ("auto", "bfloat16", "float32")  # train._autocast_dtype
+# vLLM's speculative-config draft_sample_method values (vllm/config/speculative.py, DraftSampleMethod)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REGENERATE_ENGINES = ("auto", "vllm", "hf")
+EXTRACT_ENGINES = ("hf", "vllm")
+EVALUATE_ENGINES = ("sim", "vllm", "both")
+# speculators 0.9.0's loss names (losses/utils.py, _EAGER_LOSS_FN_MAP and _FUSED_LOSS_FN_MAP): importing
+# them costs torch and seconds; tests/test_config_checks.py pins this tuple against that file.
+LOSS_NAMES = ("ce", "kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
+# Seeds: train.py seeds the state noise of a micro-batch ((seed * 1_000_003 + step) * 64 + micro) * 1024
+# + rank, which torch's manual_seed must hold in 64 bits: seed < 2**28 leaves room for 1e13 steps.
+SEED = {"ge": 0, "lt": 2**28}
+_BOUNDS = {
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
+}
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A config field with its help text (and optional flag aliases)."""
+    """A config field with its help text, optional flag aliases (`aliases`) and what it accepts: `ge`, `gt`,
+    `le`, `lt` bound a number (each item of a list), `choices` lists the strings, `check(value)` says why
+    anything else is refused (None: accepted). resolve_config enforces them; --help shows them."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     if isinstance(default, dict):
@@ -34,6 +67,88 @@ def _req(help: str, **kw: Any) -> Any:
     return field(default=None, metadata={"help": help, "required": True, **kw})
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _range(meta: Any) -> str | None:
+    """A field's declared range in words: `>= 1`, `in (0, 1]` (None: it declares none)."""
+    low = [k for k in ("ge", "gt") if k in meta]
+    high = [k for k in ("le", "lt") if k in meta]
+    if low and high:
+        opening, closing = "[" if low[0] == "ge" else "(", "]" if high[0] == "le" else ")"
+        return f"in {opening}{meta[low[0]]}, {meta[high[0]]}{closing}"
+    if low or high:
+        key = (low or high)[0]
+        return f"{_BOUNDS[key][1]} {meta[key]}"
+    return None
+
+
+def accepts(meta: Any) -> str | None:
+    """What a field's metadata accepts, as --help shows it: `[>= 1]`, `(0, 1]`, `{auto, on, off}`; None
+    when it declares neither range nor choices."""
+    if "choices" in meta:
+        return "{" + ", ".join(meta["choices"]) + "}"
+    words = _range(meta)
+    if words is None:
+        return None
+    return words.removeprefix("in ") if words.startswith("in ") else f"[{words}]"
+
+
+def _item_problem(meta: Any, value: Any) -> str | None:
+    """Why one value is outside what the metadata accepts, as `must be ...` (None: it is inside)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if "choices" in meta and value not in meta["choices"]:
+        return f"must be one of {', '.join(meta['choices'])}"
+    if any(not op(value, meta[key]) for key, (op, _) in _BOUNDS.items() if key in meta):
+        return f"must be {_range(meta)}"
+    check = meta.get("check")
+    return check(value) if check is not None else None
+
+
+def check_value(section: str, name: str, value: Any, meta: Any, source: str | None = None) -> None:
+    """Refuse a value (each item of a list) outside its field's declared range or choices, naming the flag;
+    `source`, the config file it came from (None: the command line)."""
+    items = value if isinstance(value, list) else [value]
+    problem = next((p for p in (_item_problem(meta, v) for v in items) if p), None)
+    if problem is None:
+        return
+    where = "" if source is None else f" ({name} in [{section}] of {source})"
+    each = " (each)" if isinstance(value, list) else ""
+    raise UserError(f"{_flag(name)} {problem}{each}, got {value!r}{where}")
+
+
+def _loss_problem(spec: str) -> str | None:
+    """Why `spec` is no loss to train with (None: it is one): a name of LOSS_NAMES, or a JSON object of such
+    names to weights >= 0, not all 0 (speculators takes any number: a negative weight ascends its loss)."""
+    if spec in LOSS_NAMES:
+        return None
+    names = ", ".join(LOSS_NAMES)
+    try:
+        weights = json.loads(spec)
+    except json.JSONDecodeError:
+        weights = None
+    if not isinstance(weights, dict) or not weights:
+        example = '{"kl_div": 0.5, "ce": 0.5}'
+        return f"must be one of {names}, or a JSON object of them to weights such as '{example}'"
+    unknown = sorted(set(weights) - set(LOSS_NAMES))
+    if unknown:
+        return f"must name losses among {names}; unknown: {', '.join(unknown)}"
+    if not all(_is_weight(w) for w in weights.values()) or not any(w > 0 for w in weights.values()):
+        return "must weigh each loss by a finite number >= 0, at least one > 0"
+    return None
+
+
+def _is_weight(w: Any) -> bool:
+    if isinstance(w, bool) or not isinstance(w, int | float):
+        return False
+    try:
+        return math.isfinite(float(w)) and w >= 0  # float(): speculators converts it; 10**400 overflows
+    except OverflowError:
+        return False
+
+
 @dataclass
 class RegenerateConfig:
     verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
@@ -44,14 +159,16 @@ class RegenerateConfig:
     )
     engine: str = _f(
         "auto", "vllm (tensor parallel over the visible GPUs), hf (transformers), or auto: vllm when "
-        "its environment is usable, else hf."
+        "its environment is usable, else hf.", choices=REGENERATE_ENGINES
     )  # fmt: skip
-    max_new_tokens: int = _f(2048, "Most tokens generated per assistant turn (reasoning included).")
-    max_seq_len: int = _f(4096, "Longest prompt + completion; a turn whose prompt is longer ends the row.")
-    temperature: float = _f(0.0, "0: greedy (reproducible); > 0: sampling with --top-p and --seed.")
-    top_p: float = _f(1.0, "Nucleus sampling mass when --temperature > 0.")
-    seed: int = _f(0, "Sampling seed.")
-    rows_per_part: int = _f(256, "Input rows per part file (the unit of resume).")
+    max_new_tokens: int = _f(2048, "Most tokens generated per assistant turn (reasoning included).", ge=1)
+    max_seq_len: int = _f(
+        4096, "Longest prompt + completion; a turn whose prompt is longer ends the row.", ge=1
+    )
+    temperature: float = _f(0.0, "0: greedy (reproducible); > 0: sampling with --top-p and --seed.", ge=0)
+    top_p: float = _f(1.0, "Nucleus sampling mass when --temperature > 0.", gt=0, le=1)
+    seed: int = _f(0, "Sampling seed.", **SEED)
+    rows_per_part: int = _f(256, "Input rows per part file (the unit of resume).", ge=1)
     chat_template_kwargs: dict[str, Any] = _f(
         {},
         "Chat-template variables for the prompts (TOML table or JSON object), as stage 01 will use: e.g. "
@@ -73,23 +190,28 @@ class ExtractConfig:
     out_dir: str | None = _req(
         "Root folder of the hidden-state shards; each run writes one `rows_<start>-<end>/` shard inside it."
     )
-    start_row: int = _f(0, "First input row of this shard (inclusive).")
-    end_row: int | None = _f(None, "Row after the last one of this shard (exclusive); default: end of data.")
+    start_row: int = _f(0, "First input row of this shard (inclusive).", ge=0)
+    end_row: int | None = _f(
+        None, "Row after the last one of this shard (exclusive); default: end of data.", ge=1
+    )
     shard_rows: int | None = _f(
         None,
         "Split [start_row, end_row) into shards of this many rows, written one after the other by this one "
         "process: the verifier loads once instead of once per shard. Each shard is the same, byte for "
         "byte, as its own --start-row/--end-row run would write, and resumes the same way.",
+        ge=1,
     )
     aux_layer_ids: list[int] | None = _f(
         None,
         "Aux layer ids in vLLM's convention (id i = Hugging Face "
         "hidden_states[i], the residual stream entering layer i); "
         "default (2, N//2, N-3), [2, 30, 58] for Kimi-K2.5.",
+        ge=1,
     )
     max_seq_len: int = _f(
         4096,
         "Longest sample in tokens; a row with a longer sample is rejected (rejects.jsonl) unless --truncate.",
+        ge=1,
     )
     truncate: bool = _f(
         False,
@@ -102,20 +224,24 @@ class ExtractConfig:
         "'{\"thinking\": false}' for Kimi-K2.5's instant mode (default: its thinking mode); recorded in "
         "meta.json, and 06_evaluate.py builds its prompts with the same.",
     )
-    samples_per_file: int = _f(64, "Input rows per safetensors part file (the unit of resume).")
+    samples_per_file: int = _f(64, "Input rows per safetensors part file (the unit of resume).", ge=1)
     max_batch_tokens: int = _f(
         4096,
         "Padded tokens per verifier forward (batch x longest sequence, longest first); a longer sample runs "
         "alone. On CPU 1024-4096 measured best (benchmarks/extract_batching.py); on GPUs raise it to fill memory.",
+        ge=1,
     )
     dtype: str = _f(
-        "auto", "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."
+        "auto",
+        "Storage and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32.",
+        choices=EXTRACT_DTYPES,
     )
     storage_dtype: str = _f(
         "auto",
         "How aux/last hidden states are stored: auto (as computed, --dtype), bfloat16, float32, or "
         "float8_e4m3fn with a float32 scale per sample and layer (half the bytes of bfloat16 per "
         "token; stages 02-05 read it dequantised).",
+        choices=STORAGE_DTYPES,
     )
     trust_remote_code: bool = _f(
         False,
@@ -129,6 +255,7 @@ class ExtractConfig:
         "visible GPUs, its MLA/MoE kernels, the states its EAGLE-3 code will feed the draft. With vllm, "
         "a server started by --serve for the same out_dir is used when one runs (the verifier loaded "
         "once for a whole shard loop); otherwise the run starts its own engine.",
+        choices=EXTRACT_ENGINES,
     )
     serve: bool = _f(
         False,
@@ -144,7 +271,7 @@ class ExtractConfig:
 class VocabConfig:
     data_dir: list[str] = _f([], "One or more hidden-state shard folders (rows_*/) or roots holding them.")
     out_dir: str | None = _req("Folder for vocab_mapping.safetensors (d2t, t2d) and meta.json.")
-    draft_vocab_size: int = _f(32000, "Draft vocabulary size K: the K most frequent target tokens.")
+    draft_vocab_size: int = _f(32000, "Draft vocabulary size K: the K most frequent target tokens.", ge=1)
     overwrite: bool = _f(False, "Replace an existing complete output.")
 
 
@@ -152,8 +279,8 @@ class VocabConfig:
 class SplitConfig:
     data_dir: list[str] = _f([], "One or more hidden-state shard folders (rows_*/) or roots holding them.")
     out_dir: str | None = _req("Folder for split.json (train/val sample lists) and meta.json.")
-    val_ratio: float = _f(0.05, "Fraction of conversations held out for validation.")
-    seed: int = _f(0, "Seed of the conversation-level split (same seed, same split).")
+    val_ratio: float = _f(0.05, "Fraction of conversations held out for validation.", ge=0, lt=1)
+    seed: int = _f(0, "Seed of the conversation-level split (same seed, same split).", **SEED)
     overwrite: bool = _f(False, "Replace an existing complete output.")
 
 
@@ -170,20 +297,26 @@ class TrainConfig:
     out_dir: str | None = _req(
         "Training run folder: checkpoints/, train_log.jsonl, meta.json.", aliases=["--output-dir"]
     )
-    epochs: int = _f(1, "Passes over the training split.")
-    max_steps: int | None = _f(None, "Stop after this many optimizer steps (overrides --epochs if smaller).")
-    lr: float = _f(1e-3, "Peak AdamW learning rate (measured: benchmarks/draft_quality.py).")
-    lr_schedule: str = _f("cosine", "After warm-up: cosine, linear (to --min-lr-ratio) or constant.")
-    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of --lr.")
-    warmup_ratio: float = _f(0.02, "Linear warm-up as a fraction of the run's optimizer steps.")
-    warmup_steps: int | None = _f(None, "Warm-up in optimizer steps instead of --warmup-ratio.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    grad_clip: float = _f(0.5, "Clip the global gradient norm to this value.")
-    max_seq_len: int = _f(4096, "Longer samples are truncated (the prefix is still valid training data).")
-    batch_tokens: int = _f(8192, "Tokens packed into one micro-batch (samples are never split).")
-    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
-    ttt_steps: int = _f(3, "Training-time-test steps unrolled per position (= draft tokens trained).")
-    ttt_step_loss_decay: float = _f(1.0, "Weight of step s is decay**s.")
+    epochs: int = _f(1, "Passes over the training split.", ge=1)
+    max_steps: int | None = _f(
+        None, "Stop after this many optimizer steps (overrides --epochs if smaller).", ge=1
+    )
+    lr: float = _f(1e-3, "Peak AdamW learning rate (measured: benchmarks/draft_quality.py).", gt=0)
+    lr_schedule: str = _f(
+        "cosine", "After warm-up: cosine, linear (to --min-lr-ratio) or constant.", choices=SCHEDULES
+    )
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of --lr.", ge=0, le=1)
+    warmup_ratio: float = _f(0.02, "Linear warm-up as a fraction of the run's optimizer steps.", ge=0, le=1)
+    warmup_steps: int | None = _f(None, "Warm-up in optimizer steps instead of --warmup-ratio.", ge=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
+    grad_clip: float = _f(0.5, "Clip the global gradient norm to this value.", gt=0)
+    max_seq_len: int = _f(
+        4096, "Longer samples are truncated (the prefix is still valid training data).", ge=1
+    )
+    batch_tokens: int = _f(8192, "Tokens packed into one micro-batch (samples are never split).", ge=1)
+    grad_accum: int = _f(1, "Micro-batches per optimizer step.", ge=1)
+    ttt_steps: int = _f(3, "Training-time-test steps unrolled per position (= draft tokens trained).", ge=1)
+    ttt_step_loss_decay: float = _f(1.0, "Weight of step s is decay**s.", gt=0)
     # Cross-entropy on the verifier's argmax: vLLM's draft proposes its argmax (draft_sample_method "greedy",
     # the default), so a token is accepted when it is the verifier's choice (greedy) or with the verifier's
     # probability of it (sampling): both reward the draft's top-1 only. Measured +11% AL over KL
@@ -193,33 +326,42 @@ class TrainConfig:
         "Loss against the verifier over the draft vocab, speculators' names: ce (the verifier's argmax "
         "as label), kl_div (speculators' default), tv, nla (-log overlap), lk_hybrid, rkl, jsd; or JSON "
         'weights such as \'{"kl_div": 0.5, "ce": 0.5}\'.',
+        check=_loss_problem,
     )
     state_noise: float = _f(
-        0.0, "Training-only Gaussian noise on the aux states, as a fraction of each token's RMS (0: none)."
+        0.0,
+        "Training-only Gaussian noise on the aux states, as a fraction of each token's RMS (0: none).",
+        ge=0,
     )
-    val_ratio: float = _f(0.05, "Validation fraction when no --split-dir is given.")
-    num_workers: int = _f(0, "DataLoader worker processes (0: load in the training process).")
-    seed: int = _f(0, "Seed for initialisation, data order and split.")
-    dtype: str = _f("auto", "auto (bfloat16 autocast on CUDA, float32 on CPU), bfloat16, float32.")
+    val_ratio: float = _f(0.05, "Validation fraction when no --split-dir is given.", ge=0, lt=1)
+    num_workers: int = _f(0, "DataLoader worker processes (0: load in the training process).", ge=0)
+    seed: int = _f(0, "Seed for initialisation, data order and split.", **SEED)
+    dtype: str = _f(
+        "auto", "auto (bfloat16 autocast on CUDA, float32 on CPU), bfloat16, float32.", choices=TRAIN_DTYPES
+    )
     attn_impl: str = _f(
         "auto",
         "Draft attention: auto (flex on CUDA, sdpa on CPU), flex (speculators' block-sparse "
         "simple_flex_attention; no backward on CPU), sdpa (dense mask), eager (dense mask, scores kept).",
+        choices=ATTN_IMPLS,
     )
     loss_impl: str = _f(
-        "auto", "Loss kernels: auto (fused where CUDA and Triton are present, else eager), fused, eager."
+        "auto",
+        "Loss kernels: auto (fused where CUDA and Triton are present, else eager), fused, eager.",
+        choices=LOSS_IMPLS,
     )
     compile: str = _f(
         "auto",
         "torch.compile of the draft forward: auto (on on CUDA, off on CPU), on (rows padded to 4 length "
         "buckets: a few static shapes), off. See eagle3_pipeline/kernel_policy.py.",
+        choices=COMPILE_MODES,
     )
-    num_attention_heads: int = _f(64, "Draft attention heads.")
-    num_key_value_heads: int = _f(64, "Draft key/value heads.")
-    head_dim: int = _f(128, "Draft head dim, written explicitly to config.json (never hidden/heads).")
-    intermediate_size: int = _f(18432, "Draft MLP width.")
-    rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).")
-    max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.")
+    num_attention_heads: int = _f(64, "Draft attention heads.", ge=1)
+    num_key_value_heads: int = _f(64, "Draft key/value heads.", ge=1)
+    head_dim: int = _f(128, "Draft head dim, written explicitly to config.json (never hidden/heads).", ge=2)
+    intermediate_size: int = _f(18432, "Draft MLP width.", ge=1)
+    rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).", gt=0)
+    max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.", ge=1)
     # The EAGLE-3.1 norms, all three on as in speculators (+15.6% simulated acceptance over the plain layout
     # on the draft-quality benchmark, README "Draft quality"); vLLM >= 0.32 reads them (older: ignored).
     norm_before_residual: bool = _f(True, "EAGLE-3 residual = hidden_norm(g) instead of g.")
@@ -230,27 +372,28 @@ class TrainConfig:
         False, "Supervise every position against the verifier, prompts too (default: generated tokens only)."
     )
     served_k: int = _f(
-        3, "Draft tokens vLLM will serve with: validation acceptance_length counts these steps."
+        3, "Draft tokens vLLM will serve with: validation acceptance_length counts these steps.", ge=1
     )
     train_lm_head: bool = _f(
         True, "Train the draft lm_head, initialised from the verifier's rows (--no-train-lm-head: frozen)."
     )
-    log_every: int = _f(10, "Optimizer steps between log lines.")
+    log_every: int = _f(10, "Optimizer steps between log lines.", ge=1)
     loggers: list[str] = _f(
         [],
         "Experiment trackers, several allowed (`--logger tensorboard wandb`): tensorboard "
         "(<out_dir>/tensorboard), wandb (offline unless WANDB_MODE=online), mlflow (<out_dir>/mlruns "
         "unless MLFLOW_TRACKING_URI), trackio; rank 0 only, x axis the global step (trackers.py).",
         aliases=["--logger"],
+        choices=tuple(KNOWN_LOGGERS),
     )
     eval_every: int | None = _f(
-        None, "Optimizer steps between validations (and at the end); default: a tenth of the run."
+        None, "Optimizer steps between validations (and at the end); default: a tenth of the run.", ge=1
     )
     save_every: int | None = _f(
-        None, "Optimizer steps between checkpoints (and at each validation); default: --eval-every."
+        None, "Optimizer steps between checkpoints (and at each validation); default: --eval-every.", ge=1
     )
-    keep_last: int = _f(3, "Complete checkpoints kept besides the best one.")
-    val_max_samples: int | None = _f(None, "Cap on validation samples per evaluation.")
+    keep_last: int = _f(3, "Complete checkpoints kept besides the best one.", ge=1)
+    val_max_samples: int | None = _f(None, "Cap on validation samples per evaluation.", ge=1)
     overwrite: bool = _f(False, "Start over even if --out-dir has checkpoints (default: resume).")
 
 
@@ -264,11 +407,13 @@ class ExportConfig:
     )
     out_dir: str | None = _req("Export folder: config.json + model.safetensors for vLLM.")
     gate_samples: int = _f(
-        4, "Stored samples on which the read-back export must reproduce the trained draft's logits."
+        4, "Stored samples on which the read-back export must reproduce the trained draft's logits.", ge=1
     )
-    num_speculative_tokens: int = _f(3, "k in the printed vllm serve line.")
+    num_speculative_tokens: int = _f(3, "k in the printed vllm serve line.", ge=1)
     serve_tensor_parallel_size: int = _f(
-        0, "--tensor-parallel-size in the printed vllm serve line; 0: the GPUs visible here (at least 1)."
+        0,
+        "--tensor-parallel-size in the printed vllm serve line; 0: the GPUs visible here (at least 1).",
+        ge=0,
     )
     overwrite: bool = _f(False, "Replace an existing good export (only after the new one passes the gate).")
 
@@ -281,29 +426,40 @@ class EvaluateConfig:
         "Conversations (same formats as stage 01); each prompt is a "
         "conversation up to its first assistant turn."
     )
-    start_row: int = _f(0, "First row used for prompts.")
-    num_prompts: int = _f(8, "Prompts evaluated.")
-    max_new_tokens: int = _f(64, "Tokens generated per prompt.")
-    num_speculative_tokens: int = _f(3, "k draft tokens per step.")
+    start_row: int = _f(0, "First row used for prompts.", ge=0)
+    num_prompts: int = _f(8, "Prompts evaluated.", ge=1)
+    max_new_tokens: int = _f(64, "Tokens generated per prompt.", ge=1)
+    num_speculative_tokens: int = _f(3, "k draft tokens per step.", ge=1)
     temperature: float = _f(
         0.0,
         "Sampling temperature of the requests: 0 greedy; Kimi-K2.5 serves thinking mode at 1.0 (top_p 0.95) "
         "and instant mode at 0.6 (top_p 0.95). vLLM's draft still proposes its argmax; the verifier accepts "
         "it with its probability of it. The simulation reports the expected acceptance exactly.",
+        ge=0,
     )
-    top_p: float = _f(1.0, "Nucleus mass of the requests when --temperature > 0 (Kimi-K2.5: 0.95).")
-    top_k: int = _f(0, "Top-k of the requests when --temperature > 0 (0: off).")
-    seed: int = _f(0, "Sampling seed: request i is seeded seed + i, in the simulation and in vLLM alike.")
+    top_p: float = _f(
+        1.0, "Nucleus mass of the requests when --temperature > 0 (Kimi-K2.5: 0.95).", gt=0, le=1
+    )
+    top_k: int = _f(0, "Top-k of the requests when --temperature > 0 (0: off).", ge=0)
+    seed: int = _f(
+        0, "Sampling seed: request i is seeded seed + i, in the simulation and in vLLM alike.", **SEED
+    )
     draft_sample_method: str = _f(
         "greedy",
         "vLLM's speculative-config draft_sample_method: greedy (the draft proposes its argmax; vLLM's default) "
         "or probabilistic (drawn from the draft at the request's temperature, no top-p, and accepted with "
         "probability min(1, p/q)). The simulation follows either; pass the same to vllm serve.",
+        choices=DRAFT_SAMPLE_METHODS,
     )
     samples_per_prompt: int = _f(
-        1, "Requests per prompt (sampling: independent draws, seeds in sequence; more = less noise)."
+        1, "Requests per prompt (sampling: independent draws, seeds in sequence; more = less noise).", ge=1
     )
-    engine: str = _f("sim", "sim (this project's PyTorch simulation of vLLM's EAGLE-3 chain) or vllm.")
+    engine: str = _f(
+        "sim",
+        "sim (this project's PyTorch simulation of vLLM's EAGLE-3 chain), vllm, or both (compared; exit 1 "
+        "when they disagree).",
+        choices=EVALUATE_ENGINES,
+    )
     vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
     out_dir: str | None = _f(None, "Where to write acceptance.json (default: the draft folder).")
     trust_remote_code: bool = _f(
@@ -329,14 +485,19 @@ class PlanOptions:
         8,
         "GPUs the plan assumes for DDP (steps per epoch; DDP gradient buckets), and the tensor-parallel size "
         "of serving for the KV-cache lines unless [export] serve_tensor_parallel_size is set.",
+        ge=1,
     )
-    plan_rows: int | None = _f(None, "Input rows of the whole dataset (default: counted in --data-path).")
+    plan_rows: int | None = _f(
+        None, "Input rows of the whole dataset (default: counted in --data-path).", ge=1
+    )
     plan_tokens_per_row: float | None = _f(
-        None, "Tokens per row when neither shards nor data and tokenizer are at hand (default: measured)."
+        None,
+        "Tokens per row when neither shards nor data and tokenizer are at hand (default: measured).",
+        gt=0,
     )
-    plan_sample_rows: int = _f(256, "Rows tokenized to measure tokens per row.")
+    plan_sample_rows: int = _f(256, "Rows tokenized to measure tokens per row.", ge=1)
     plan_tokens_per_second: float | None = _f(
-        None, "Training throughput of the whole run (a log line's tok/s) for the time estimate."
+        None, "Training throughput of the whole run (a log line's tok/s) for the time estimate.", gt=0
     )
     plan_json: str | None = _f(None, "Also write the plan as JSON to this file.")
 
@@ -368,10 +529,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, with_config: bo
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, _ = _base_type(hints[f.name])
-        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
+        flags = [_flag(f.name), *f.metadata.get("aliases", [])]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = "required" if f.metadata.get("required") else f"default: {default}"
-        help_text = f"{f.metadata['help']} ({shown})"
+        help_text = " ".join(filter(None, [f.metadata["help"], accepts(f.metadata), f"({shown})"]))
         if tp is bool:
             parser.add_argument(
                 *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -396,8 +557,49 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+@dataclass(frozen=True)
+class ServedMode:
+    """How requests will be served: the sampling stage 00 regenerates at and stage 06 evaluates at, and
+    the chat-template variables of the prompts (stages 00 and 01)."""
+
+    temperature: float
+    top_p: float
+    chat_template_kwargs: dict[str, Any]
+
+
+# `[serving] mode` in a config: Kimi-K2.5's two modes as Moonshot recommends serving them (its API fixes
+# them: thinking 1.0 / top_p 0.95, instant 0.6 / 0.95, `{"thinking": false}` in the template), and greedy
+# (temperature 0) for benchmarks and deterministic tests.
+SERVED_MODES = {
+    "thinking": ServedMode(1.0, 0.95, {}),
+    "instant": ServedMode(0.6, 0.95, {"thinking": False}),
+    "greedy": ServedMode(0.0, 1.0, {}),
+}
+# Which stage keys a served mode sets (a key in the stage's own section, or on the command line, wins);
+# evaluate reads the template variables from the shards it was trained on.
+SERVED_MODE_KEYS = {
+    "regenerate": ("temperature", "top_p", "chat_template_kwargs"),
+    "extract": ("chat_template_kwargs",),
+    "evaluate": ("temperature", "top_p"),
+}
+NON_STAGE_SECTIONS = ("run", "serving")  # [run]: what scripts/run_tiny.sh builds; [serving]: SERVED_MODES
+
+
+def served_mode_defaults(serving: dict[str, Any], section: str, path: Path) -> dict[str, Any]:
+    """The keys `[serving]` sets for `section` (empty without a [serving] table)."""
+    if not serving:
+        return {}
+    unknown = sorted(set(serving) - {"mode"})
+    if unknown:
+        raise UserError(f"{path}: unknown key(s) {unknown} in [serving]; known keys: ['mode']")
+    mode = SERVED_MODES.get(serving.get("mode"))  # type: ignore[arg-type]
+    if mode is None:
+        raise UserError(f"{path}: [serving] mode = {serving.get('mode')!r}: choose one of {sorted(SERVED_MODES)}")
+    return {key: dataclasses.asdict(mode)[key] for key in SERVED_MODE_KEYS.get(section, ())}
+
+
 def load_config_file(path: str | None, section: str) -> dict[str, Any]:
-    """The `[section]` table of a TOML file (empty without a file)."""
+    """The `[section]` table of a TOML file (empty without a file), over what its `[serving]` mode sets."""
     if path is None:
         return {}
     p = Path(path)
@@ -407,12 +609,13 @@ def load_config_file(path: str | None, section: str) -> dict[str, Any]:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{p}: not valid TOML ({e})") from None
-    unknown_sections = set(data) - set(STAGE_CONFIGS) - {"run"}
+    unknown_sections = set(data) - set(STAGE_CONFIGS) - set(NON_STAGE_SECTIONS)
     if unknown_sections:
         raise UserError(
-            f"{p}: unknown section(s) {sorted(unknown_sections)}; known: {sorted(STAGE_CONFIGS)} and [run]"
+            f"{p}: unknown section(s) {sorted(unknown_sections)}; known: {sorted(STAGE_CONFIGS)}, [run] and "
+            "[serving]"
         )
-    return dict(data.get(section, {}))
+    return {**served_mode_defaults(data.get("serving", {}), section, p), **data.get(section, {})}
 
 
 def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
@@ -425,10 +628,9 @@ def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
             f"{args.config}: unknown key(s) {unknown} in [{section}]; known keys: {sorted(names)}"
         )
     values = dict(from_file)
-    for name in names:
-        cli_value = getattr(args, name, None)
-        if cli_value is not None:
-            values[name] = cli_value
+    from_cli = {name for name in names if getattr(args, name, None) is not None}
+    for name in from_cli:
+        values[name] = getattr(args, name)
     try:
         cfg = cls(**values)
     except TypeError as e:
@@ -439,11 +641,10 @@ def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
         tp, optional = _base_type(hints[f.name])
         if value is None:
             if f.metadata.get("required"):
-                raise UserError(
-                    f"--{f.name.replace('_', '-')} is required (or `{f.name}` in [{section}] of --config)"
-                )
+                raise UserError(f"{_flag(f.name)} is required (or `{f.name}` in [{section}] of --config)")
             continue
         _check_type(section, f.name, value, tp)
+        check_value(section, f.name, value, f.metadata, None if f.name in from_cli else args.config)
     return cfg
 
 
@@ -464,7 +665,8 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
     else:
         ok = isinstance(value, tp)
     if not ok:
-        raise UserError(f"[{section}] {name} = {value!r}: expected {getattr(tp, '__name__', tp)}")
+        expected = getattr(tp, "__name__", tp)
+        raise UserError(f"[{section}] {name} = {value!r}: expected {expected} ({_flag(name)})")
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> Any:
@@ -472,6 +674,9 @@ def options_from_args(cls: type, args: argparse.Namespace) -> Any:
     given = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None
     }
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            check_value("plan", f.name, given[f.name], f.metadata)
     return cls(**given)
 
 

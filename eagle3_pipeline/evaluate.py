@@ -17,7 +17,6 @@ import torch
 
 from eagle3_pipeline import storage
 from eagle3_pipeline.acceptance import (
-    DRAFT_SAMPLE_METHODS,
     AcceptanceCounts,
     Sampling,
     replay_with_aux,
@@ -27,7 +26,7 @@ from eagle3_pipeline.acceptance import (
     verify_pass,
 )
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import EvaluateConfig, config_to_dict
+from eagle3_pipeline.config import EVALUATE_ENGINES, EvaluateConfig, config_to_dict
 from eagle3_pipeline.conversations import RowRejected, read_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.reference_draft import ReferenceDraft
@@ -214,25 +213,6 @@ def compare(
     }
 
 
-def check_sampling(cfg: EvaluateConfig) -> None:
-    """The sampling settings' ranges, named by flag (vLLM refuses the same values at request time)."""
-    bad = [
-        (cfg.temperature < 0, "--temperature must be >= 0 (0: greedy)"),
-        (not 0 < cfg.top_p <= 1, "--top-p must be in (0, 1]"),
-        (cfg.top_k < 0, "--top-k must be >= 0 (0: off)"),
-        (cfg.samples_per_prompt < 1, "--samples-per-prompt must be >= 1"),
-        (cfg.num_speculative_tokens < 1, "--num-speculative-tokens must be >= 1"),
-        (cfg.max_new_tokens < 1, "--max-new-tokens must be >= 1"),
-        (
-            cfg.draft_sample_method not in DRAFT_SAMPLE_METHODS,
-            f"--draft-sample-method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}",
-        ),
-    ]
-    for failed, why in bad:
-        if failed:
-            raise UserError(why)
-
-
 def sampling_of(cfg: EvaluateConfig) -> Sampling:
     return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
 
@@ -245,9 +225,8 @@ def run(cfg: EvaluateConfig) -> int:
     draft_dir = Path(cfg.draft_dir)
     if not (draft_dir / "config.json").is_file():
         raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
-    if cfg.engine not in ("sim", "vllm", "both"):
-        raise UserError(f"engine {cfg.engine!r}: use sim, vllm or both")
-    check_sampling(cfg)
+    if cfg.engine not in EVALUATE_ENGINES:  # checked when parsed; a config built in code skips that
+        raise UserError(f"engine {cfg.engine!r}: use one of {', '.join(EVALUATE_ENGINES)}")
     verifier_path = Path(
         cfg.verifier_path or storage.read_json(draft_dir / "export_meta.json")["verifier_path"]
     )

@@ -28,7 +28,7 @@ import torch
 
 from eagle3_pipeline import state_dtype, storage
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import ExtractConfig, config_to_dict
+from eagle3_pipeline.config import EXTRACT_DTYPES, EXTRACT_ENGINES, ExtractConfig, config_to_dict
 from eagle3_pipeline.conversations import RawRow, RowRejected, count_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import Sample, SampleOptions, row_samples
@@ -56,7 +56,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     try:
         return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
     except KeyError:
-        raise UserError(f"dtype {name!r}: use auto, bfloat16, float16 or float32") from None
+        raise UserError(f"dtype {name!r}: use one of {', '.join(EXTRACT_DTYPES)}") from None
 
 
 def shard_name(start: int, end: int) -> str:
@@ -79,16 +79,14 @@ def run(cfg: ExtractConfig) -> int:
         raise UserError(
             f"row range [{cfg.start_row}, {cfg.end_row}) is empty for {data_path} ({total_rows} rows)"
         )
-    if cfg.engine not in ("hf", "vllm"):
-        raise UserError(f"engine {cfg.engine!r}: use hf or vllm")
+    if cfg.engine not in EXTRACT_ENGINES:  # checked when parsed; a config built in code skips that
+        raise UserError(f"engine {cfg.engine!r}: use one of {', '.join(EXTRACT_ENGINES)}")
     if cfg.serve:
         if cfg.engine != "vllm":
             raise UserError("--serve starts a vLLM server: add --engine vllm")
         from eagle3_pipeline.extract_vllm import serve
 
         return serve(cfg, aux_ids, facts.num_hidden_layers, resolve_dtype(cfg.dtype))
-    if cfg.shard_rows is not None and cfg.shard_rows < 1:
-        raise UserError(f"shard_rows {cfg.shard_rows}: use a positive number of rows per shard")
     step = cfg.shard_rows or end - start
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
@@ -147,8 +145,6 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
     data_path = Path(cfg.data_path)
     start, end = cfg.start_row, cfg.end_row
     assert end is not None
-    if cfg.samples_per_file < 1:
-        raise UserError("samples_per_file must be >= 1")
     dtype = resolve_dtype(cfg.dtype)
     storage_dtype = state_dtype.resolve_storage_dtype(cfg.storage_dtype, dtype)
     shard = Path(cfg.out_dir) / shard_name(start, end)

@@ -38,11 +38,9 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.config import ATTN_IMPLS, COMPILE_MODES, LOSS_IMPLS  # the flags' choices, owned there
 from eagle3_pipeline.errors import UserError
 
-ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")
-LOSS_IMPLS = ("auto", "fused", "eager")
-COMPILE_MODES = ("auto", "off", "on")
 FLEX_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, the Q and KV block of create_block_mask
 NUM_BUCKETS = 4  # compile on: rows padded to batch_tokens * k/4 (k = 1..4), rounded up to FLEX_BLOCK
 # speculators' name for flex in the decoder config (ALL_ATTENTION_FUNCTIONS, models/attention.py)

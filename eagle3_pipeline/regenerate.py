@@ -27,7 +27,7 @@ from typing import Any
 
 from eagle3_pipeline import storage
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import RegenerateConfig, config_to_dict
+from eagle3_pipeline.config import REGENERATE_ENGINES, RegenerateConfig, config_to_dict
 from eagle3_pipeline.conversations import (
     Conversation,
     RowRejected,
@@ -48,8 +48,8 @@ RUN_FILE = "run.json"
 def resolve_engine(name: str, vllm_python: str | None) -> str:
     from eagle3_pipeline import vllm_engine
 
-    if name not in ("auto", "vllm", "hf"):
-        raise UserError(f"engine {name!r}: use auto, vllm or hf")
+    if name not in REGENERATE_ENGINES:  # checked when parsed; a config built in code skips that
+        raise UserError(f"engine {name!r}: use one of {', '.join(REGENERATE_ENGINES)}")
     if name != "auto":
         return name
     ok, _ = vllm_engine.available(vllm_python)
@@ -224,8 +224,6 @@ def run(cfg: RegenerateConfig) -> int:
     data_path, verifier_path, out_dir = Path(cfg.data_path), Path(cfg.verifier_path), Path(cfg.out_dir)
     if not data_path.exists():
         raise UserError(f"{data_path}: data not found (--data-path)")
-    if cfg.rows_per_part < 1:
-        raise UserError("rows_per_part must be >= 1")
     if storage.is_complete(out_dir) and not cfg.overwrite:
         log.info("skip: %s is complete (use --overwrite to redo it)", out_dir)
         return 0

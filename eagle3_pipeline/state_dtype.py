@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle3_pipeline.config import FP8, STORAGE_DTYPES  # --storage-dtype's choices, owned there
 from eagle3_pipeline.errors import UserError
 
-FP8 = "float8_e4m3fn"
-STORAGE_DTYPES = ("auto", "bfloat16", "float32", FP8)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec, E4M3: S.1111.110 = 448)
 FP8_SCALES = "per_sample"  # meta.json "fp8_scales" of shards written now; absent = per-token (older)
 SCALE_BYTES = 4  # float32 scale per sample and stored layer

@@ -24,7 +24,7 @@ import torch
 from eagle3_pipeline import checkpoint, plots, schedule, storage, trackers
 from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
-from eagle3_pipeline.config import TrainConfig, config_to_dict
+from eagle3_pipeline.config import TRAIN_DTYPES, TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft, trainable_names
 from eagle3_pipeline.errors import DiskFull, UserError
@@ -560,4 +560,4 @@ def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
         return torch.bfloat16
     if name == "float32":
         return None
-    raise UserError(f"dtype {name!r}: use auto, bfloat16 or float32")
+    raise UserError(f"dtype {name!r}: use one of {', '.join(TRAIN_DTYPES)}")

@@ -10,7 +10,7 @@ from kimi_fixture import IDS, build_kimi_tokenizer
 
 from eagle3_pipeline import evaluate
 from eagle3_pipeline.cli import build_parser
-from eagle3_pipeline.config import EvaluateConfig, ExtractConfig, resolve_config
+from eagle3_pipeline.config import EvaluateConfig, ExtractConfig, RegenerateConfig, resolve_config
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import SampleOptions, row_samples
 
@@ -65,6 +65,48 @@ def test_dict_setting_from_command_line_and_toml_table(tmp_path):
         )
     ev = ["--draft-dir", "x", "--data-path", "d"]
     assert resolve("evaluate", EvaluateConfig, ev).chat_template_kwargs is None  # None: read from the shards
+
+
+SERVING_TOML = (
+    '[serving]\nmode = "{mode}"\n[regenerate]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n{regen}'
+    '[extract]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n'
+    '[evaluate]\ndraft_dir = "x"\ndata_path = "d"\n'
+)
+
+
+@pytest.mark.parametrize(
+    "mode, temperature, top_p, kwargs",
+    [("thinking", 1.0, 0.95, {}), ("instant", 0.6, 0.95, INSTANT), ("greedy", 0.0, 1.0, {})],
+)
+def test_serving_mode_sets_regeneration_prompts_and_evaluation_for_the_mode_served(
+    tmp_path, mode, temperature, top_p, kwargs
+):
+    toml = SERVING_TOML.format(mode=mode, regen="")
+    regen = resolve("regenerate", RegenerateConfig, [], tmp_path, toml)
+    assert (regen.temperature, regen.top_p, regen.chat_template_kwargs) == (temperature, top_p, kwargs)
+    assert resolve("extract", ExtractConfig, [], tmp_path, toml).chat_template_kwargs == kwargs
+    ev = resolve("evaluate", EvaluateConfig, [], tmp_path, toml)
+    assert (ev.temperature, ev.top_p) == (temperature, top_p)
+    assert ev.chat_template_kwargs is None  # evaluation still renders prompts as its shards were extracted
+
+
+def test_stage_keys_and_flags_win_over_the_serving_mode(tmp_path):
+    toml = SERVING_TOML.format(mode="thinking", regen="temperature = 0.0\n")
+    regen = resolve("regenerate", RegenerateConfig, [], tmp_path, toml)
+    assert (regen.temperature, regen.top_p) == (0.0, 0.95)  # the section's key wins, the mode fills the rest
+    ev = resolve("evaluate", EvaluateConfig, ["--temperature", "0.6"], tmp_path, toml)
+    assert (ev.temperature, ev.top_p) == (0.6, 0.95)
+
+
+@pytest.mark.parametrize(
+    "serving, message",
+    [('mode = "fast"', r"\[serving\] mode = 'fast': choose one of \['greedy', 'instant', 'thinking'\]"),
+     ('mode = "thinking"\ntemperature = 1.0', r"unknown key\(s\) \['temperature'\] in \[serving\]")],
+)  # fmt: skip
+def test_unknown_serving_mode_or_key_is_an_error_naming_the_choices(tmp_path, serving, message):
+    toml = SERVING_TOML.format(mode="thinking", regen="").replace('mode = "thinking"', serving)
+    with pytest.raises(UserError, match=message):
+        resolve("extract", ExtractConfig, [], tmp_path, toml)
 
 
 @pytest.mark.parametrize("bad", ["{thinking: false}", "[1, 2]", '"thinking"'])
@@ -155,3 +197,15 @@ def test_evaluate_refuses_shards_with_mixed_template_settings(monkeypatch, kimi_
     draft = fake_export(tmp_path / "mixed", [INSTANT, {}])
     with pytest.raises(UserError, match="different chat_template_kwargs"):
         run_evaluate(monkeypatch, kimi_dir, draft, data)
+
+
+def test_kimi_config_regenerates_and_evaluates_at_thinking_mode_sampling():
+    """configs/kimi_k25.toml serves thinking mode: stage 00 samples at 1.0 / 0.95 and stage 06 evaluates
+    there, from its one [serving] setting."""
+    from pathlib import Path
+
+    kimi = str(Path(__file__).resolve().parent.parent / "configs" / "kimi_k25.toml")
+    regen = resolve("regenerate", RegenerateConfig, ["--config", kimi])
+    ev = resolve("evaluate", EvaluateConfig, ["--config", kimi])
+    assert (regen.temperature, regen.top_p, ev.temperature, ev.top_p) == (1.0, 0.95, 1.0, 0.95)
+    assert resolve("extract", ExtractConfig, ["--config", kimi]).chat_template_kwargs == {}
