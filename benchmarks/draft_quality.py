@@ -16,8 +16,11 @@
 4. Both exported by 05_export.py (behind the gate) and served in vLLM's engine (the project's vLLM
    environment, one worker session) on the held-out prompts at each serving setting: greedy (lossless
    checked) and Kimi-K2.5's thinking mode (temperature 1.0, top_p 0.95, seeded draws), at k = 3 and
-   k = 5, with this project's simulation of the same (its predicted AL; sampled: the exact expectation)
-   beside. `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy.
+   k = 5 (`--vllm-ks`), with this project's simulation of the same (its predicted AL; sampled: the exact
+   expectation) beside, and simulated with vLLM's probabilistic drafting at the thinking settings
+   (`thinking_prob`). `regenerated_t1` is the given rows regenerated at the thinking settings instead
+   of greedy. Two prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens
+   of held-out multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
 factor of the project's recipe changed at a time (on the regenerated data).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
@@ -39,10 +42,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-K = 3  # the headline k; SERVED_KS are all evaluated
+K = 3  # the headline k; SERVED_KS are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5)
-# Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default)
-SETTINGS = {"greedy": {}, "thinking": {"temperature": 1.0, "top_p": 0.95}}
+DATASETS = ("given", "regenerated", "regenerated_t1")
+HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
+# Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
+# latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (simulated only:
+# the tier shows the simulation within noise of vLLM there, README "Sampled acceptance")
+SETTINGS = {"greedy": {}, "thinking": {"temperature": 1.0, "top_p": 0.95},
+            "thinking_prob": {"temperature": 1.0, "top_p": 0.95}}  # fmt: skip
+PROBABILISTIC = {"thinking_prob"}  # settings drafted by sampling the draft (same traces as "thinking")
 SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws)
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
@@ -175,8 +184,46 @@ def heldout_prompts(work: Path) -> list[list[int]]:
     return build_prompts(tok, work / "data" / "heldout.jsonl", 0, 10**6)
 
 
-def setting_key(setting: str, k: int) -> str:
-    return f"{setting}/k{k}"
+# Long multi-turn contexts: earlier held-out exchanges as history, then a held-out question, rendered as the
+# serving prompt; as long as the verifier's positions allow with the new tokens and k = 5 after them.
+LONG_PROMPTS = 16
+LONG_CONTEXT_MIN_TOKENS = 1800
+
+
+def verifier_positions(work: Path) -> int:
+    """The verifier's max_position_embeddings: vLLM's max_model_len for every request here."""
+    return json.loads((work / "verifier" / "config.json").read_text())["max_position_embeddings"]
+
+
+def long_prompts(work: Path, max_new: int) -> list[list[int]]:
+    """LONG_PROMPTS prompts of LONG_CONTEXT_MIN_TOKENS tokens or more from the held-out rows only (none of
+    them is training data of the draft or the verifier): prompt i asks row i's question after whole
+    conversations i+1, i+2, ... as history, as a long chat session reaches the server."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(work / "verifier"))
+    rows = [json.loads(line) for line in (work / "data" / "heldout.jsonl").read_text().splitlines()]
+
+    def render(messages: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    fewest, most = LONG_CONTEXT_MIN_TOKENS, verifier_positions(work) - max_new - max(SERVED_KS) - 3
+    prompts = []
+    for i in range(len(rows)):
+        history, j = [], i + 1
+        while len(render(history + rows[j % len(rows)]["messages"] + rows[i]["messages"][:1])) <= most:
+            history, j = history + rows[j % len(rows)]["messages"], j + 1
+        ids = render(history + rows[i]["messages"][:1])
+        if len(ids) >= fewest:
+            prompts.append(ids)
+        if len(prompts) == LONG_PROMPTS:
+            break
+    return prompts
+
+
+def setting_key(setting: str, k: int, context: str = "short") -> str:
+    return f"{setting}/k{k}" if context == "short" else f"{context} {setting}/k{k}"
 
 
 class Evaluator:
@@ -198,7 +245,7 @@ class Evaluator:
         self.traces: dict[str, tuple[list[list[int]], list[tuple]]] = {}
 
     def requests(self, setting: str) -> list[list[int]]:
-        n = 1 if setting == "greedy" else SAMPLES_PER_PROMPT
+        n = 1 if not SETTINGS[setting] else SAMPLES_PER_PROMPT
         return [p for p in self.prompts for _ in range(n)]
 
     def sampling(self, setting: str):
@@ -211,7 +258,7 @@ class Evaluator:
 
         from eagle3_pipeline.acceptance import trace_length, verifier_trace_with_aux
 
-        key = setting_key(setting, k)
+        key = setting_key("thinking" if setting in PROBABILISTIC else setting, k)  # the requests are the same
         if key not in self.traces:
             reqs, sampling = self.requests(setting), self.sampling(setting)
             self.traces[key] = reqs, [
@@ -223,40 +270,53 @@ class Evaluator:
 
     def simulate(self, draft_dir: Path, setting: str, k: int) -> tuple[dict, list]:
         """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
+        import torch
+
         from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, verify_pass
+        from eagle3_pipeline.evaluate import COIN_SEED
         from eagle3_pipeline.reference_draft import ReferenceDraft
 
         draft = ReferenceDraft(draft_dir, self.embed)
         sampling = self.sampling(setting)
         verify = None if sampling.greedy else verify_pass(self.model, self.capture, sampling)
+        probabilistic = sampling if setting in PROBABILISTIC else None
+        coins = torch.Generator().manual_seed(COIN_SEED)
         counts = AcceptanceCounts(k)
         reqs, traces = self.trace(setting, k)
         for p, (seq, aux, probs) in zip(reqs, traces):
-            simulate_sequence(draft, aux, seq, len(p), k, counts, self.max_new, probs, verify)
+            simulate_sequence(draft, aux, seq, len(p), k, counts, self.max_new, probs, verify, probabilistic,
+                              coins)  # fmt: skip
         outputs = [seq[len(p) : len(p) + self.max_new].tolist() for p, (seq, _, _) in zip(reqs, traces)]
         return counts.summary(sampled=not sampling.greedy), outputs
 
 
-def serve_in_vllm(work: Path, rows: list[dict], ev: Evaluator, max_new: int) -> None:
-    """The headline rows served in vLLM at every (setting, k), one worker session (an engine per draft
-    and k; the settings are per request); greedy outputs checked against the engine's plain greedy."""
+def serve_in_vllm(
+    work: Path, rows: list[dict], evs: dict[str, Evaluator], max_new: int, vllm_ks: list[int]
+) -> None:
+    """The headline rows served in vLLM at every (context, setting, k), one worker session (an engine per
+    draft and k; settings and prompts are per request); greedy outputs checked against the engine's plain
+    greedy on the short prompts."""
     from eagle3_pipeline.vllm_engine import WorkerSession, sampling_fields
 
+    ev = evs["short"]
     with WorkerSession(log_path=work / "vllm_worker.log") as session:
-        base = {"verifier": str(work / "verifier"), "max_new_tokens": max_new}
+        # one max_model_len for both prompt sets (it is part of the worker's engine key)
+        base = {"verifier": str(work / "verifier"), "max_new_tokens": max_new,
+                "max_model_len": verifier_positions(work)}  # fmt: skip
         plain = session.request({**base, "prompts": ev.prompts, "draft": None, "num_speculative_tokens": 0})
         for row in rows:
             if row.get("ablation"):
                 continue
             row["vllm"] = {}
-            for k in SERVED_KS:
-                for st in SETTINGS:
-                    reqs = ev.requests(st)
-                    res = session.request({**base, "prompts": reqs, "draft": row["draft"],
-                                           "num_speculative_tokens": k,
-                                           **sampling_fields(ev.sampling(st), len(reqs))})  # fmt: skip
-                    row["vllm"][setting_key(st, k)] = {x: v for x, v in res.items() if x != "outputs"}
-                    if st == "greedy" and k == K:
+            for k, (ctx, cev), st in ((k, c, s) for k in vllm_ks for c in evs.items() for s in SETTINGS):
+                if st in PROBABILISTIC or (ctx != "short" and k != K):
+                    continue
+                reqs = cev.requests(st)
+                res = session.request({**base, "prompts": reqs, "draft": row["draft"],
+                                       "num_speculative_tokens": k,
+                                       **sampling_fields(cev.sampling(st), len(reqs))})  # fmt: skip
+                row["vllm"][setting_key(st, k, ctx)] = {x: v for x, v in res.items() if x != "outputs"}
+                if st == "greedy" and k == K and ctx == "short":
                         # lossless: the speculative output is the verifier's own greedy output, same engine
                         row["lossless"] = res["outputs"] == plain["outputs"]
                         row["vllm_greedy_equals_sim_greedy"] = sum(
@@ -279,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--ablation-data", default="regenerated", choices=["given", "regenerated", "regenerated_t1"],
                    help="data set of the ablation runs (regenerated_t1: regenerated at the thinking settings)")
     p.add_argument("--only-ablations", nargs="+", metavar="NAME", help="a subset of the ablation rows (prefixes)")
+    p.add_argument("--headline", nargs="+", default=HEADLINE, choices=HEADLINE, metavar="RECIPE/DATA",
+                   help=f"the headline rows to train and serve (default all: {' '.join(HEADLINE)})")
+    p.add_argument("--vllm-ks", nargs="+", type=int, default=list(SERVED_KS), choices=SERVED_KS,
+                   help="the k served in vLLM (an engine start per draft and k); simulated: every k")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
     p.add_argument("--bf16", action="store_true", help="also the project's recipe on bf16 shards (simulated)")
@@ -322,11 +386,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     drafts: dict[str, Path] = {}
     for ds, root in datasets.items():
         steps = planned_steps(root, a.epochs, 1024)
-        drafts[f"speculators/{ds}"] = export(speculators_run(root, "speculators", steps, log, a.threads), log,
-                                             a.threads)  # fmt: skip
-        drafts[f"project/{ds}"] = export(project_train(root, a.project_run, steps, [], log, a.threads, hidden), log,
-                                         a.threads)  # fmt: skip
-        rows += [{"recipe": r, "data": ds, "steps": steps} for r in ("speculators", "project")]
+        if f"speculators/{ds}" in a.headline:
+            run = speculators_run(root, "speculators", steps, log, a.threads)
+            drafts[f"speculators/{ds}"] = export(run, log, a.threads)
+            rows.append({"recipe": "speculators", "data": ds, "steps": steps})
+        if f"project/{ds}" in a.headline:
+            run = project_train(root, a.project_run, steps, [], log, a.threads, hidden)
+            drafts[f"project/{ds}"] = export(run, log, a.threads)
+            rows.append({"recipe": "project", "data": ds, "steps": steps})
     stored = {"fp8": ("float8_e4m3fn", a.fp8), "bf16": ("bfloat16", a.bf16)}  # the recipe on other shards
     for short, (dtype, wanted) in stored.items():
         if not wanted:
@@ -363,23 +430,25 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"
     ]
-    ev = Evaluator(work, prompts, a.max_new_tokens, aux_ids)
-    grid = [(st, k) for st in SETTINGS for k in SERVED_KS]
+    long = long_prompts(work, a.max_new_tokens)
+    evs = {"short": Evaluator(work, prompts, a.max_new_tokens, aux_ids),
+           "long": Evaluator(work, long, a.max_new_tokens, aux_ids)}  # fmt: skip
+    grid = [("short", st, k) for st in SETTINGS for k in SERVED_KS] + [("long", st, K) for st in SETTINGS]
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
             "/ablation" if row.get("ablation") and not row["recipe"].endswith(" shards") else ""
         )
         row["draft"] = str(drafts[key])
         row["sim"], row["greedy"] = {}, None
-        for st, k in grid if not row.get("ablation") else [(st, K) for st in SETTINGS]:
-            row["sim"][setting_key(st, k)], outputs = ev.simulate(drafts[key], st, k)
-            if st == "greedy" and k == K:
+        for ctx, st, k in grid if not row.get("ablation") else [("short", st, K) for st in SETTINGS]:
+            row["sim"][setting_key(st, k, ctx)], outputs = evs[ctx].simulate(drafts[key], st, k)
+            if st == "greedy" and k == K and ctx == "short":
                 row["greedy"] = outputs
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
         print(f"sim | {row['recipe']} | {row['data']} | " + " | ".join(
             f"{sk} AL {r['mean_acceptance_length']:.3f}" for sk, r in row["sim"].items()), flush=True)  # fmt: skip
     if not (a.no_vllm or a.sim_only):
-        serve_in_vllm(work, rows, ev, a.max_new_tokens)
+        serve_in_vllm(work, rows, evs, a.max_new_tokens, a.vllm_ks)
     for row in rows:
         row.pop("greedy")
     report = {
@@ -387,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "versions": __import__("eagle3_pipeline.storage", fromlist=["versions"]).versions(),
         "verifier": {k: v for k, v in vstats.items() if k != "config"},
         "num_prompts": len(prompts),
+        "long_prompts": {"num": len(long), "tokens": [min(map(len, long)), max(map(len, long))]},
         "max_new_tokens": a.max_new_tokens,
         "served_ks": list(SERVED_KS),
         "settings": SETTINGS,
@@ -409,6 +479,7 @@ def _al(row: dict, engine: str, key: str) -> float | None:
 def _print_table(report: dict) -> None:
     print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens")
     keys = [setting_key(st, k) for st in SETTINGS for k in SERVED_KS]
+    keys += [setting_key(st, K, "long") for st in SETTINGS]
     print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")
     print("|---|---|---|" + "---|" * len(keys) + "---|")
     for row in report["rows"]:
@@ -428,11 +499,17 @@ def _print_table(report: dict) -> None:
             (("project", "regenerated"), ("speculators", "regenerated"), "same greedy-regenerated data"),
             (("project", "regenerated_t1"), ("speculators", "regenerated_t1"), "same t1-regenerated data"),
         ]:
-            if ours in by and theirs in by:
-                eng = "vllm" if _al(by[ours], "vllm", key) is not None else "sim"
-                p, b = _al(by[ours], eng, key), _al(by[theirs], eng, key)
+            if ours not in by or theirs not in by:
+                continue
+            eng = "vllm" if _al(by[ours], "vllm", key) is not None else "sim"
+            p = _al(by[ours], eng, key)
+            against = [(what, _al(by[theirs], eng, key))]
+            if "thinking_prob/" in key:  # theirs also as vLLM serves by default: argmax drafting
+                argmax = _al(by[theirs], eng, key.replace("_prob", ""))
+                against.append((what + " (theirs drafted by argmax)", argmax))
+            for label, b in against:
                 if p is not None and b is not None:
-                    print(f"{key} | {what}: AL ratio {p / b:.3f}, rejected per step ratio "
+                    print(f"{key} | {label}: AL ratio {p / b:.3f}, rejected per step ratio "
                           f"{(k + 1 - p) / (k + 1 - b):.3f} ({eng})")  # fmt: skip
 
 
