@@ -232,10 +232,15 @@ class Evaluator:
     verify pass over their off-trace drafts (06_evaluate's simulation)."""
 
     def __init__(self, work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int]):
-        from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model
-        from eagle3_pipeline.verifier import load_verifier_tensors, verifier_facts
-
         import torch
+
+        from eagle3_pipeline.verifier import (
+            AuxCapture,
+            find_decoder_layers,
+            load_verifier_model,
+            load_verifier_tensors,
+            verifier_facts,
+        )
 
         self.work, self.prompts, self.max_new = work, prompts, max_new
         facts = verifier_facts(work / "verifier")

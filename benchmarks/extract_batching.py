@@ -9,11 +9,14 @@ to the batch-of-one baseline, on a tiny verifier made locally and the shipped co
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
 
 from eagle3_pipeline.conversations import normalize_messages, read_rows, tokenize_conversation
 from eagle3_pipeline.extract import _forward_batched

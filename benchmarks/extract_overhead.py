@@ -80,8 +80,7 @@ def _bare_blocks(verifier: Path, data: Path, rows_per_part: int, path: Path) -> 
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.conversations import read_rows
-    from eagle3_pipeline.extract import block_samples
-    from eagle3_pipeline.samples import SampleOptions
+    from eagle3_pipeline.samples import SampleOptions, block_samples
 
     tok = AutoTokenizer.from_pretrained(str(verifier))
     opts, seen, blocks = SampleOptions(1024, False, {}), {}, []

@@ -2,7 +2,7 @@
 
   .venv/bin/python benchmarks/stage_start.py [--quick] [--json benchmarks/stage_start.json]
 
-Writes synthetic shards with the real writer (extract._write_part, _finish_shard; fp32 states, hidden
+Writes synthetic shards with the real writer (shards.write_part, finish_shard; fp32 states, hidden
 256, 3 aux layers), then times `shards.open_shards` (what stages 02-04 run at start: COMPLETE, meta.json,
 manifest sha256, file sizes, safetensors headers, offsets) against the check stages used to run at start
 (sha256 of every part file) on the same shards. Two sweeps: more parts of a fixed size, and a fixed
@@ -18,16 +18,18 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
+
 from eagle3_pipeline import storage
-from eagle3_pipeline.config import ExtractConfig
-from eagle3_pipeline.extract import SHARD_FORMAT, _finish_shard, _write_part
-from eagle3_pipeline.shards import open_shards
+from eagle3_pipeline.config import ExtractConfig, config_to_dict
+from eagle3_pipeline.shards import MANIFEST_FILE, SHARD_FORMAT, finish_shard, open_shards, write_part
 from eagle3_pipeline.state_dtype import encode
 
 HIDDEN, N_AUX = 256, 3
@@ -57,7 +59,7 @@ def write_shard(root: Path, parts: int, part_bytes: int, samples_per_part: int =
             samples.append({"id": f"row-{row}", "row": row, "num_tokens": tokens, "num_loss_tokens": tokens,
                             "sha256": storage.sha256_tensors(stored)})  # fmt: skip
         block = (n * samples_per_part, (n + 1) * samples_per_part)
-        _write_part(shard, n, samples, [], tensors, block)
+        write_part(shard, n, samples, [], tensors, block)
         blocks.append(block)
     verifier = {
         "path": "/synthetic", "architecture": "Synthetic", "num_hidden_layers": 8, "hidden_size": HIDDEN,
@@ -68,8 +70,10 @@ def write_shard(root: Path, parts: int, part_bytes: int, samples_per_part: int =
         "storage_dtype": "float32", "data_path": "/synthetic", "data_split": "train",
         "row_range": [0, parts * samples_per_part], "max_seq_len": 4096, "samples_per_file": samples_per_part,
     }  # fmt: skip
-    _finish_shard(ExtractConfig(verifier_path="/synthetic", data_path="/synthetic", out_dir=str(root)),
-                  shard, blocks, settings)  # fmt: skip
+    config = config_to_dict(
+        ExtractConfig(verifier_path="/synthetic", data_path="/synthetic", out_dir=str(root))
+    )
+    finish_shard(shard, len(blocks), settings, config)
     return shard
 
 
@@ -84,7 +88,7 @@ def timed(fn, repeats: int) -> float:
 
 def hash_every_part(shard: Path) -> None:
     """What stage start used to do on top of the header checks: sha256 of every byte."""
-    for f in storage.read_json(shard / "manifest.json")["files"]:
+    for f in storage.read_json(shard / MANIFEST_FILE)["files"]:
         storage.sha256_file(shard / f["file"])
 
 

@@ -56,7 +56,6 @@ import torch
 
 from eagle3_pipeline.reference_draft import ReferenceDraft
 
-
 # vLLM treats a temperature below this as greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS)
 SAMPLING_EPS = 1e-5
 

@@ -30,7 +30,7 @@ LOSS_IMPLS = ("auto", "fused", "eager")
 COMPILE_MODES = ("auto", "off", "on")
 FP8 = "float8_e4m3fn"  # the fp8 storage dtype (state_dtype.py)
 STORAGE_DTYPES = ("auto", "bfloat16", "float32", FP8)
-EXTRACT_DTYPES = ("auto", "bfloat16", "float16", "float32")  # extract.resolve_dtype
+EXTRACT_DTYPES = ("auto", "bfloat16", "float16", "float32")  # state_dtype.resolve_dtype
 TRAIN_DTYPES = ("auto", "bfloat16", "float32")  # train._autocast_dtype
 # vLLM's speculative-config draft_sample_method values (vllm/config/speculative.py, DraftSampleMethod)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")

@@ -47,6 +47,30 @@ class DraftSpec:
         return cls(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
 
 
+def spec_for_training(
+    train: Any, verifier: dict[str, Any], draft_vocab_size: int, aux_layer_ids: Any
+) -> DraftSpec:
+    """The draft a training run builds (stage 04) and its plan sizes: the shapes and norm flags of the
+    `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier."""
+    return DraftSpec(
+        hidden_size=int(verifier["hidden_size"]),
+        num_attention_heads=train.num_attention_heads,
+        num_key_value_heads=train.num_key_value_heads,
+        head_dim=train.head_dim,
+        intermediate_size=train.intermediate_size,
+        rms_norm_eps=float(verifier["rms_norm_eps"]),
+        rope_theta=train.rope_theta,
+        max_position_embeddings=train.max_position_embeddings,
+        vocab_size=int(verifier["vocab_size"]),
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=tuple(aux_layer_ids),
+        norm_before_residual=train.norm_before_residual,
+        norm_before_fc=train.norm_before_fc,
+        fc_norm=train.fc_norm,
+        norm_output=train.norm_output,
+    )
+
+
 def check_spec(spec: DraftSpec) -> None:
     if spec.num_attention_heads % spec.num_key_value_heads:
         raise UserError(

@@ -15,23 +15,20 @@ block that was in flight, and the result is byte-identical to an uninterrupted r
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import re
 import time
-from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_pipeline import state_dtype, storage
+from eagle3_pipeline import shards, state_dtype, storage
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import EXTRACT_DTYPES, EXTRACT_ENGINES, ExtractConfig, config_to_dict
-from eagle3_pipeline.conversations import RawRow, RowRejected, count_rows
+from eagle3_pipeline.config import EXTRACT_ENGINES, ExtractConfig, config_to_dict
+from eagle3_pipeline.conversations import count_rows
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.samples import Sample, SampleOptions, row_samples
+from eagle3_pipeline.samples import Sample
 from eagle3_pipeline.verifier import (
     AuxCapture,
     check_aux_layer_ids,
@@ -42,21 +39,6 @@ from eagle3_pipeline.verifier import (
 )
 
 log = logging.getLogger("eagle3.extract")
-
-# /2: storage_dtype (fp8 with scales), sha256 per sample (checked when read) and of the token tensors
-SHARD_FORMAT = "eagle3-hidden-states/2"
-MAX_REJECTS_LOGGED_PER_PART = 5  # the rest are only in rejects.jsonl (600k rows could flood the log)
-RUN_FILE = "run.json"  # the settings a shard was started with; a resume must match them
-TOKEN_KEYS = ("input_ids", "loss_mask", "offsets")  # what stage 02 reads of a part (tokens_sha256)
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    try:
-        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
-    except KeyError:
-        raise UserError(f"dtype {name!r}: use one of {', '.join(EXTRACT_DTYPES)}") from None
 
 
 def shard_name(start: int, end: int) -> str:
@@ -86,7 +68,7 @@ def run(cfg: ExtractConfig) -> int:
             raise UserError("--serve starts a vLLM server: add --engine vllm")
         from eagle3_pipeline.extract_vllm import serve
 
-        return serve(cfg, aux_ids, facts.num_hidden_layers, resolve_dtype(cfg.dtype))
+        return serve(cfg, aux_ids, facts.num_hidden_layers, state_dtype.resolve_dtype(cfg.dtype))
     step = cfg.shard_rows or end - start
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
@@ -100,7 +82,7 @@ def run(cfg: ExtractConfig) -> int:
 
             loaded["renderer"] = Renderer(cfg)  # starts now: it loads the tokenizer while the verifier loads
             if cfg.engine == "vllm":  # vLLM starts now too, beside this process's own preparation
-                loaded["engine"] = _open_engine(cfg, facts, aux_ids, resolve_dtype(cfg.dtype))
+                loaded["engine"] = _open_engine(cfg, facts, aux_ids, state_dtype.resolve_dtype(cfg.dtype))
         for a, b in ranges:
             # each shard records the settings of its own single-shard run, so both ways write the same bytes
             _run_shard(
@@ -145,11 +127,11 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
     data_path = Path(cfg.data_path)
     start, end = cfg.start_row, cfg.end_row
     assert end is not None
-    dtype = resolve_dtype(cfg.dtype)
+    dtype = state_dtype.resolve_dtype(cfg.dtype)
     storage_dtype = state_dtype.resolve_storage_dtype(cfg.storage_dtype, dtype)
     shard = Path(cfg.out_dir) / shard_name(start, end)
     settings = {
-        "format": SHARD_FORMAT,
+        "format": shards.SHARD_FORMAT,
         "verifier": asdict(facts),
         "aux_layer_ids": aux_ids,
         "dtype": str(dtype).removeprefix("torch."),
@@ -181,10 +163,10 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         shutil.rmtree(shard)
     shard.mkdir(parents=True, exist_ok=True)
     storage.clear_tmp(shard)
-    storage.pin_run_settings(shard / RUN_FILE, settings)
+    storage.pin_run_settings(shard / shards.RUN_FILE, settings)
 
     blocks = [(b, min(b + cfg.samples_per_file, end)) for b in range(start, end, cfg.samples_per_file)]
-    todo = [(n, b) for n, b in enumerate(blocks) if not (shard / f"part-{n:05d}.json").exists()]
+    todo = [(n, b) for n, b in enumerate(blocks) if not (shard / shards.part_info_name(n)).exists()]
     log.info(
         "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
         shard,
@@ -202,7 +184,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             loaded["engine"] = _open_engine(cfg, facts, aux_ids, dtype)
         _check_free_space(cfg, shard, renderer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
         _extract_parts(shard, todo, storage_dtype, renderer, loaded["engine"])
-    _finish_shard(cfg, shard, blocks, settings)
+    shards.finish_shard(shard, len(blocks), settings, _recorded_config(cfg))
 
 
 def _check_free_space(
@@ -241,7 +223,7 @@ def _seen_ids(shard: Path, todo: list[tuple[int, tuple[int, int]]]) -> dict[int,
     to_do = {n for n, _ in todo}
     for n in range(max(to_do)):
         if n not in to_do:
-            info = storage.read_json(shard / f"part-{n:05d}.json")
+            info = storage.read_json(shard / shards.part_info_name(n))
             done[n] = {s["id"]: s["row"] for s in info["samples"]}
     return done
 
@@ -310,44 +292,8 @@ def _store_part(
         if smp.truncated_from is not None:
             info["truncated_from"] = smp.truncated_from
         samples.append(info)
-    _write_part(shard, n, samples, rejects, tensors, rows)
+    shards.write_part(shard, n, samples, rejects, tensors, rows)
     return n, rows, len(samples), len(rejects), sum(s["num_tokens"] for s in samples)
-
-
-def block_samples(
-    raws: Iterable[RawRow], tokenizer: Any, opts: SampleOptions, seen: dict[str, int], source: str = ""
-) -> tuple[list[tuple[int, Sample]], list[dict[str, Any]]]:
-    """([(row index, sample)], rejects) of a block of rows. No exception escapes for any row (issue 8):
-    a bad row is a reason in rejects, an unexpected error too (logged with its traceback), so every row
-    is written or rejected. `seen` (sample id -> row) is updated with the accepted samples."""
-    accepted: list[tuple[int, Sample]] = []
-    rejects: list[dict[str, Any]] = []
-    line_note = " (line {})" if source.endswith(".jsonl") else ""
-    for raw in raws:
-        try:
-            if raw.error:
-                raise RowRejected(raw.error)
-            row = row_samples(raw.value, raw.index, tokenizer, opts)
-            for s in row:
-                if s.sample_id in seen:
-                    raise RowRejected(f"duplicate id {s.sample_id!r} (first at row {seen[s.sample_id]})")
-        except Exception as e:  # noqa: BLE001 - no row may stop the shard
-            reason = str(e) if isinstance(e, RowRejected) else f"unexpected {type(e).__name__}: {e}"
-            rejects.append({"row": raw.index, "reason": reason})
-            if len(rejects) <= MAX_REJECTS_LOGGED_PER_PART:
-                log.warning(
-                    "%s row %d%s: rejected: %s",
-                    source,
-                    raw.index,
-                    line_note.format(raw.index + 1),
-                    reason,
-                    exc_info=not isinstance(e, RowRejected),
-                )
-            continue
-        for s in row:  # a row's samples stay together, in one part
-            seen[s.sample_id] = raw.index
-            accepted.append((raw.index, s))
-    return accepted, rejects
 
 
 def _forward_batched(
@@ -384,93 +330,9 @@ def _forward_batched(
     return results
 
 
-def _write_part(
-    shard: Path,
-    n: int,
-    samples: list[dict],
-    rejects: list[dict],
-    tensors: dict[str, list[torch.Tensor]],
-    rows: tuple[int, int],
-) -> None:
-    info: dict[str, Any] = {"rows": list(rows), "samples": samples, "rejects": rejects, "file": None}
-    if samples:
-        lengths = [len(t) for t in tensors["input_ids"]]
-        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-        fname = f"part-{n:05d}.safetensors"
-        joined = {k: torch.cat(v) for k, v in tensors.items()}
-        joined["offsets"] = offsets
-        digest = storage.save_safetensors_atomic(joined, shard / fname, metadata={"format": SHARD_FORMAT})
-        info.update(
-            file=fname,
-            sha256=digest,
-            bytes=(shard / fname).stat().st_size,
-            tokens_sha256=storage.sha256_tensors({k: joined[k] for k in TOKEN_KEYS}),
-        )
-    storage.write_json_atomic(shard / f"part-{n:05d}.json", info)
-
-
-def _finish_shard(
-    cfg: ExtractConfig, shard: Path, blocks: list[tuple[int, int]], settings: dict[str, Any]
-) -> None:
-    files, rejects = [], []
-    num_samples = num_tokens = num_loss_tokens = num_rows_written = num_truncated = 0
-    for n in range(len(blocks)):
-        info = storage.read_json(shard / f"part-{n:05d}.json")
-        rejects.extend(info["rejects"])
-        if info["file"]:
-            files.append({k: info[k] for k in ("file", "sha256", "bytes", "tokens_sha256", "samples")})
-            num_samples += len(info["samples"])
-            num_rows_written += len({s["row"] for s in info["samples"]})  # a row may give several samples
-            num_truncated += sum("truncated_from" in s for s in info["samples"])
-            num_tokens += sum(s["num_tokens"] for s in info["samples"])
-            num_loss_tokens += sum(s["num_loss_tokens"] for s in info["samples"])
-    num_rows = settings["row_range"][1] - settings["row_range"][0]
-    if num_rows_written + len(rejects) != num_rows:  # every input row is written or rejected
-        raise RuntimeError(
-            f"{shard}: {num_rows_written} written + {len(rejects)} rejected != {num_rows} rows"
-        )
-    storage.write_json_atomic(shard / "manifest.json", {"files": files})
-    storage.write_bytes_atomic(
-        shard / "rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects).encode()
-    )
-    manifest_sha = storage.sha256_file(shard / "manifest.json")
-    meta = {
-        **settings,
-        "stage": "01_extract_hidden_states",
-        "hidden_size": settings["verifier"]["hidden_size"],
-        "num_aux_layers": len(settings["aux_layer_ids"]),
-        "num_rows": num_rows,
-        "num_rows_written": num_rows_written,
-        "num_samples": num_samples,
-        "num_truncated": num_truncated,
-        "num_rejected": len(rejects),
-        "num_tokens": num_tokens,
-        "num_loss_tokens": num_loss_tokens,
-        "manifest_sha256": manifest_sha,
-        "config": config_to_dict(cfg),
-        "versions": storage.versions(),
-    }
-    for key in ("overwrite", "serve", "vllm_python"):  # how it ran, not what it wrote
-        meta["config"].pop(key, None)
-    storage.write_json_atomic(shard / storage.META_NAME, meta)
-    storage.mark_complete(shard)
-    for n in range(len(blocks)):  # only now: a crash before COMPLETE must find every finished part
-        (shard / f"part-{n:05d}.json").unlink()
-    log.info(
-        "done %s | rows %d | written %d | samples %d | truncated %d | rejected %d (see rejects.jsonl) "
-        "| tokens %d | loss tokens %d",
-        shard,
-        num_rows,
-        num_rows_written,
-        num_samples,
-        num_truncated,
-        len(rejects),
-        num_tokens,
-        num_loss_tokens,
-    )
-    if rejects:
-        reasons: dict[str, int] = {}
-        for r in rejects:  # "turn 3 (assistant) is empty" -> "turn N is empty"
-            key = re.sub(r"(?<![\w-])\d+(?![\w-])", "N", re.sub(r"\s*\([^)]*\)", "", r["reason"]))
-            reasons[key] = reasons.get(key, 0) + 1
-        log.warning("rejected rows by reason: %s", json.dumps(reasons))
+def _recorded_config(cfg: ExtractConfig) -> dict[str, Any]:
+    """The settings meta.json records: what was written, not how it ran."""
+    recorded = config_to_dict(cfg)
+    for key in ("overwrite", "serve", "vllm_python"):
+        recorded.pop(key, None)
+    return recorded

@@ -45,9 +45,7 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
 
         from eagle3_pipeline.cli import setup_logging
         from eagle3_pipeline.conversations import read_rows
-        from eagle3_pipeline.extract import block_samples
-        from eagle3_pipeline.plan import sample_tokens_per_row
-        from eagle3_pipeline.samples import SampleOptions
+        from eagle3_pipeline.samples import SampleOptions, block_samples, sample_tokens_per_row
 
         setup_logging(logging.getLevelName(level))
         tokenizer = AutoTokenizer.from_pretrained(
@@ -116,7 +114,7 @@ class Renderer:
             return item
 
     def tokens_per_row(self, start: int, end: int) -> float | None:
-        """plan.sample_tokens_per_row over rows [start, end) of the run's data."""
+        """samples.sample_tokens_per_row over rows [start, end) of the run's data."""
         self.jobs.put(("estimate", start, end))
         return self._get()[1]
 

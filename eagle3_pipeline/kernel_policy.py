@@ -71,6 +71,13 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def attention_impl(attn_impl: str, cuda: bool) -> str:
+    """The attention `attn_impl` trains with: auto is flex on CUDA (compiled, the fused kernel), sdpa
+    elsewhere (FlexAttention has no backward on CPU)."""
+    _check(attn_impl, ATTN_IMPLS, "attn_impl")
+    return attn_impl if attn_impl != "auto" else ("flex" if cuda else "sdpa")
+
+
 def resolve(
     attn_impl: str,
     loss_impl: str,
@@ -84,7 +91,7 @@ def resolve(
     _check(loss_impl, LOSS_IMPLS, "loss_impl")
     _check(compile, COMPILE_MODES, "compile")
     cuda = device.type == "cuda"
-    attn = attn_impl if attn_impl != "auto" else ("flex" if cuda else "sdpa")
+    attn = attention_impl(attn_impl, cuda)
     if attn == "flex" and not cuda and needs_backward:
         raise UserError(
             "attn_impl flex: torch's FlexAttention has no backward on CPU; use sdpa (or auto) to train here"

@@ -41,25 +41,32 @@ def pack(
     return {k: torch.cat(v)[None] for k, v in parts.items()}
 
 
+def pack_lengths(lengths: list[int], batch_tokens: int, max_seq_len: int) -> list[list[int]]:
+    """Greedy packing in the given order: indices of `lengths` per micro-batch of at most batch_tokens
+    tokens, each sample counted at most max_seq_len (longer ones are cut when loaded)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, length in enumerate(lengths):
+        n = min(length, max_seq_len)
+        if current and used + n > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
 def micro_batches(
     samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
 ) -> list[list[SampleRef]]:
     """A seeded shuffle of the samples, packed greedily into micro-batches of at most batch_tokens."""
     g = torch.Generator().manual_seed(seed * 100003 + epoch)
     order = torch.randperm(len(samples), generator=g).tolist()
-    batches: list[list[SampleRef]] = []
-    current: list[SampleRef] = []
-    used = 0
-    for i in order:
-        n = min(samples[i].num_tokens, max_seq_len)
-        if current and used + n > batch_tokens:
-            batches.append(current)
-            current, used = [], 0
-        current.append(samples[i])
-        used += n
-    if current:
-        batches.append(current)
-    return batches
+    packed = pack_lengths([samples[i].num_tokens for i in order], batch_tokens, max_seq_len)
+    return [[samples[order[j]] for j in batch] for batch in packed]
 
 
 ERROR_KEY = "error"  # a batch that could not be read carries only this: the UserError's message

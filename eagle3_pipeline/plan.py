@@ -10,7 +10,7 @@ data-parallel attention (kv_cache.py).
 
 Memory per GPU under DDP (every rank holds the whole draft; PyTorch DDP docs) is an estimate from what
 stays alive until backward (activations + mask checked against the tensors autograd saves for a tiny
-draft on CPU: 1.03x at 1024 tokens, tests/test_plan.py; not yet measured on a GPU):
+draft on CPU: 0.998x at 1024 tokens, tests/test_plan.py; not yet measured on a GPU):
   weights      every parameter in fp32 (trainable ones, the frozen embedding, lm_head and the teacher head
                and norm) plus buffers (d2t int64, t2d bool)
   gradients    fp32, trainable parameters only; DDP keeps a second copy in its buckets
@@ -22,12 +22,9 @@ draft on CPU: 1.03x at 1024 tokens, tests/test_plan.py; not yet measured on a GP
                tensors the decoder layer, final norm, lm_head and the loss save for backward (KL: the larger)
                (8H + 2q + 4I + V_d values in the compute dtype, V_d fp32 log-probs); K/V of the
                growing cache (step s attends to (s+1)T keys: speculators Eagle3DraftModel.forward)
-  mask         sdpa: speculators builds a dense boolean [1, 1, T, T] mask and concatenates a diagonal
-               [T, T] block each TTT step (attention.extend_dense_mask_for_draft_tokens); SDPA turns a
-               boolean mask into an additive one in the compute dtype and keeps each step's for
-               backward: sum over steps of T x (s+1)T x b bytes, plus the last boolean one.
-               flex: a BlockMask of 128 x 128 blocks (extend_mask_for_draft_tokens): four int32 index
-               tensors [T/128, (s+1)T/128] per step, kilobytes to megabytes.
+  attention    beyond q/k/v/output: masks and what the kernel keeps for backward, for the implementation
+               the trainer resolves on the GPUs (auto: flex), from kernel_policy.attention_extra_terms,
+               the trainer's own count (sdpa, flex, eager shown side by side).
 """
 
 from __future__ import annotations
@@ -41,53 +38,22 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import kv_cache, state_dtype, storage
+from eagle3_pipeline import kernel_policy as kernels
+from eagle3_pipeline import kv_cache, packing, schedule, state_dtype, storage
 from eagle3_pipeline.config import ExtractConfig, PlanOptions, TrainConfig, load_config_file
-from eagle3_pipeline.conversations import (
-    RowRejected,
-    count_rows,
-    normalize_messages,
-    read_rows,
-    tokenize_conversation,
-)
-from eagle3_pipeline.draft import DraftSpec, build_draft, trainable_names
+from eagle3_pipeline.conversations import count_rows
+from eagle3_pipeline.draft import DraftSpec, build_draft, spec_for_training, trainable_names
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.samples import sample_lengths
 from eagle3_pipeline.verifier import check_aux_layer_ids, default_aux_layer_ids, read_text_config
 
 log = logging.getLogger("eagle3.plan")
 
 TOKEN_ID_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8 per token, beside the states
-FLEX_BLOCK = 128  # torch.nn.attention.flex_attention's default BLOCK_SIZE
 PLAN_DTYPES = ("float32", "bfloat16", state_dtype.FP8)
 
 
 # ---- token counts -------------------------------------------------------------------------------
-
-
-def sample_lengths(
-    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64
-) -> tuple[list[int], int]:
-    """(token counts of the accepted rows, rows read) over the first n rows of [start, end)."""
-    lengths, read = [], 0
-    for raw in read_rows(data_path, start, min(end, start + n), split):
-        read += 1
-        try:
-            if raw.error:
-                raise RowRejected(raw.error)
-            _, messages = normalize_messages(raw.value)
-            ids, _ = tokenize_conversation(tokenizer, messages, max_seq_len)
-        except RowRejected:
-            continue
-        lengths.append(len(ids))
-    return lengths, read
-
-
-def sample_tokens_per_row(
-    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64
-) -> float | None:
-    """Mean tokens per input row (a rejected row counts 0) over a sample; None without rows."""
-    lengths, read = sample_lengths(tokenizer, data_path, split, start, end, max_seq_len, n)
-    return sum(lengths) / read if read else None
 
 
 @dataclass
@@ -126,18 +92,11 @@ def draft_report(spec: DraftSpec, train_lm_head: bool) -> dict[str, Any]:
     }
 
 
-def mask_bytes(attn_impl: str, T: int, S: int, b: int) -> int:
-    """Attention-mask bytes alive at the end of the TTT forward (module docstring)."""
-    if attn_impl == "flex":
-        q_blocks = math.ceil(T / FLEX_BLOCK)
-        return sum(4 * 4 * q_blocks * math.ceil((s + 1) * T / FLEX_BLOCK) for s in range(S))
-    additive = sum(T * (s + 1) * T * b for s in range(S))
-    return additive + T * S * T  # + the last boolean [T, S*T]
-
-
 def memory_per_gpu(
-    spec: DraftSpec, draft: dict[str, Any], cfg: TrainConfig, gpus: int, attn_impl: str
+    spec: DraftSpec, draft: dict[str, Any], cfg: TrainConfig, gpus: int, cuda: bool = True
 ) -> dict[str, Any]:
+    """Bytes per GPU (module docstring); attention beyond q/k/v/output is kernel_policy's, for the
+    implementation the trainer resolves on that device (`cuda`: the GPUs the plan is for)."""
     b = 4 if cfg.dtype == "float32" else 2  # auto is bf16 autocast on CUDA (train._autocast_dtype)
     T, S = max(cfg.batch_tokens, cfg.max_seq_len), cfg.ttt_steps
     H, inter, n_aux = spec.hidden_size, spec.intermediate_size, len(spec.aux_layer_ids)
@@ -155,14 +114,17 @@ def memory_per_gpu(
         "autocast_weight_copies": draft["matmul_parameters"] * 2 if b == 2 else 0,
         "activations": once + S * per_step + kv_cache,
     }
-    impls = {impl: mask_bytes(impl, T, S, b) for impl in ("sdpa", "flex")}
-    chosen = "flex" if attn_impl in ("flex", "flex_attention", "simple_flex_attention") else "sdpa"
+    chosen = kernels.attention_impl(cfg.attn_impl, cuda)
+    heads = spec.num_attention_heads
+    impls = {
+        i: kernels.attention_extra_bytes(i, T, S, heads, b) for i in dict.fromkeys(("sdpa", "flex", chosen))
+    }
     return {
         "tokens_per_micro_batch": T,
         "ttt_steps": S,
         "compute_bytes": b,
-        "attn_impl": attn_impl,
-        "mask_impl": chosen,  # auto counts as sdpa: what build_model builds today, and the larger
+        "attn_impl": cfg.attn_impl,
+        "mask_impl": chosen,
         **parts,
         "attention_mask": impls[chosen],
         "attention_mask_by_impl": impls,
@@ -185,14 +147,9 @@ def checkpoints_disk(trainable: int, keep_last: int) -> int:
 
 
 def micro_batches_per_token(lengths: list[int], batch_tokens: int, max_seq_len: int) -> float:
-    """Greedy packing of the sampled lengths (packing.micro_batches' rule), per token packed."""
-    batches, used = 0, 0
-    for n in lengths:
-        n = min(n, max_seq_len)
-        if batches == 0 or used + n > batch_tokens:
-            batches, used = batches + 1, 0
-        used += n
-    return batches / max(sum(min(n, max_seq_len) for n in lengths), 1)
+    """Micro-batches per token packed (packing's rule) over the sampled lengths."""
+    packed = sum(min(n, max_seq_len) for n in lengths)
+    return len(packing.pack_lengths(lengths, batch_tokens, max_seq_len)) / max(packed, 1)
 
 
 def steps(cfg: TrainConfig, tokens: Tokens, gpus: int, micro_batches: int | None = None) -> dict[str, Any]:
@@ -207,8 +164,8 @@ def steps(cfg: TrainConfig, tokens: Tokens, gpus: int, micro_batches: int | None
         else:  # every row tokens_per_row long
             row = max(1, min(int(tokens.tokens_per_row), cfg.max_seq_len))
             micro_batches = max(1, math.ceil(train_rows / max(1, cfg.batch_tokens // row)))
-    per_epoch = max(1, micro_batches // (gpus * cfg.grad_accum))  # train.plan_run's rule
-    total = per_epoch * cfg.epochs if cfg.max_steps is None else cfg.max_steps
+    per_epoch = schedule.steps_per_epoch(micro_batches, gpus, cfg.grad_accum)  # what train.plan_run runs
+    total = schedule.total_steps(per_epoch, cfg.epochs, cfg.max_steps)
     return {"micro_batches_per_epoch": micro_batches, "steps_per_epoch": per_epoch, "total_steps": total}
 
 
@@ -232,23 +189,9 @@ def build(
     text = read_text_config(verifier_path)
     H, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(layers), layers)
-    spec = DraftSpec(
-        hidden_size=H,
-        num_attention_heads=train.num_attention_heads,
-        num_key_value_heads=train.num_key_value_heads,
-        head_dim=train.head_dim,
-        intermediate_size=train.intermediate_size,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=train.rope_theta,
-        max_position_embeddings=train.max_position_embeddings,
-        vocab_size=int(text["vocab_size"]),
-        draft_vocab_size=draft_vocab_size,
-        aux_layer_ids=tuple(aux),
-        norm_before_residual=train.norm_before_residual,
-        norm_before_fc=train.norm_before_fc,
-        fc_norm=train.fc_norm,
-        norm_output=train.norm_output,
-    )
+    verifier = {"hidden_size": H, "vocab_size": int(text["vocab_size"]),
+                "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6))}  # fmt: skip
+    spec = spec_for_training(train, verifier, draft_vocab_size, aux)
     draft = draft_report(spec, train.train_lm_head)
     per_token = {dt: state_dtype.bytes_per_token(dt, len(aux), H) for dt in PLAN_DTYPES}
     per_sample = {dt: state_dtype.bytes_per_sample(dt, len(aux)) for dt in PLAN_DTYPES}
@@ -259,7 +202,6 @@ def build(
         else int(total_tokens * (bpt + TOKEN_ID_BYTES) + (tokens.num_rows or 0) * per_sample[dt])
         for dt, bpt in per_token.items()
     }
-    attn_impl = getattr(train, "attn_impl", "auto")
     st = steps(train, tokens, opts.plan_gpus, micro_batches)
     trained_tokens = None if total_tokens is None else total_tokens * (1 - train.val_ratio)
     if st and train.max_steps is not None and trained_tokens is not None:
@@ -294,7 +236,7 @@ def build(
         "storage_dtype": storage_name,
         "free_bytes": storage.free_bytes(disk_dir),
         "gpus": opts.plan_gpus,
-        "memory_per_gpu": memory_per_gpu(spec, draft, train, opts.plan_gpus, attn_impl),
+        "memory_per_gpu": memory_per_gpu(spec, draft, train, opts.plan_gpus),
         "kv_cache": kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus),
         "checkpoints_disk": checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
@@ -344,13 +286,13 @@ def render(p: dict[str, Any]) -> str:
         f"memory/GPU    {p['gpus']} GPUs, DDP, {m['tokens_per_micro_batch']:,} tokens x {m['ttt_steps']} TTT "
         f"steps: weights {_gb(m['weights'])} | gradients {_gb(m['gradients'])} | DDP buckets "
         f"{_gb(m['ddp_buckets'])} | AdamW {_gb(m['adamw_states'])} | autocast copies "
-        f"{_gb(m['autocast_weight_copies'])} | activations {_gb(m['activations'])} | mask "
+        f"{_gb(m['autocast_weight_copies'])} | activations {_gb(m['activations'])} | attention "
         f"({m['mask_impl']}) {_gb(m['attention_mask'])} | total {_gb(m['total'])}"
     )
     by = m["total_by_impl"]
     lines.append(
-        f"              attn_impl {m['attn_impl']}: total with sdpa {_gb(by['sdpa'])} (mask "
-        f"{_gb(m['attention_mask_by_impl']['sdpa'])}), with flex {_gb(by['flex'])} (mask "
+        f"              attn_impl {m['attn_impl']}: total with sdpa {_gb(by['sdpa'])} (attention "
+        f"{_gb(m['attention_mask_by_impl']['sdpa'])}), with flex {_gb(by['flex'])} (attention "
         f"{_gb(m['attention_mask_by_impl']['flex'])})"
     )
     lines.extend(kv_cache.render_lines(p["kv_cache"]))
@@ -424,10 +366,8 @@ def _serve_tp(config_path: str | None, opts: PlanOptions) -> int:
 def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None) -> int:
     train = _section(config_path, TrainConfig, "train")
     vocab = load_config_file(config_path, "vocab")
-    from eagle3_pipeline.extract import resolve_dtype
-
     verifier_path = Path(cfg.verifier_path)
-    storage_name = state_dtype.resolve_storage_dtype(cfg.storage_dtype, resolve_dtype(cfg.dtype))
+    storage_name = state_dtype.resolve_storage_dtype(cfg.storage_dtype, state_dtype.resolve_dtype(cfg.dtype))
     tokens = _tokens_from_data(
         Path(cfg.data_path), verifier_path, cfg.data_split, cfg.max_seq_len, opts, cfg.trust_remote_code
     )
@@ -458,14 +398,13 @@ def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> 
     except UserError:
         shard_dirs = []
     if shard_dirs:  # exact token counts and layout from the shards (cheap start checks only)
-        from eagle3_pipeline.packing import micro_batches as pack_batches
         from eagle3_pipeline.split import split_samples
 
         shard_set = open_shards(cfg.data_dir)
         verifier = cfg.verifier_path or shard_set.meta["verifier"]["path"]
         aux, storage_name = shard_set.meta["aux_layer_ids"], shard_set.meta["storage_dtype"]
         train_refs, _ = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
-        micro_batches = len(pack_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+        micro_batches = len(packing.micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
         lengths = [r.num_tokens for r in shard_set.samples]
         n = sum(int(storage.read_json(s / storage.META_NAME)["num_rows"]) for s in shard_set.shards)
         tokens = Tokens(n, sum(lengths) / n, lengths, f"manifests of {len(shard_set.shards)} shards")

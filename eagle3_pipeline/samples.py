@@ -22,19 +22,29 @@ next ones; `conversation_id` maps them back, so a conversation's samples share o
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.conversations import (
     Conversation,
     NotAppendOnly,
+    RawRow,
     RowRejected,
+    normalize_messages,
     normalize_row,
+    read_rows,
     render_ids,
     row_id_of,
     tokenize_conversation,
 )
+
+log = logging.getLogger("eagle3.extract")  # its warnings are stage 01's (rejected rows)
+
+MAX_REJECTS_LOGGED_PER_PART = 5  # the rest are only in rejects.jsonl (600k rows could flood the log)
 
 Pair = tuple[list[int], list[int]]  # (context ids, supervised ids) of one generated turn
 Unit = tuple[list[int], list[int]]  # (input_ids, loss_mask) of one sample before length handling
@@ -306,3 +316,68 @@ def fit_length(units: list[Unit], opts: SampleOptions) -> list[tuple[list[int], 
             f"first {limit}"
         )
     return out
+
+
+# ---- rows in blocks: every row written or rejected (stage 01), token counts (the plan) -----------
+
+
+def block_samples(
+    raws: Iterable[RawRow], tokenizer: Any, opts: SampleOptions, seen: dict[str, int], source: str = ""
+) -> tuple[list[tuple[int, Sample]], list[dict[str, Any]]]:
+    """([(row index, sample)], rejects) of a block of rows. No exception escapes for any row (issue 8):
+    a bad row is a reason in rejects, an unexpected error too (logged with its traceback), so every row
+    is written or rejected. `seen` (sample id -> row) is updated with the accepted samples."""
+    accepted: list[tuple[int, Sample]] = []
+    rejects: list[dict[str, Any]] = []
+    line_note = " (line {})" if source.endswith(".jsonl") else ""
+    for raw in raws:
+        try:
+            if raw.error:
+                raise RowRejected(raw.error)
+            row = row_samples(raw.value, raw.index, tokenizer, opts)
+            for s in row:
+                if s.sample_id in seen:
+                    raise RowRejected(f"duplicate id {s.sample_id!r} (first at row {seen[s.sample_id]})")
+        except Exception as e:  # noqa: BLE001 - no row may stop the shard
+            reason = str(e) if isinstance(e, RowRejected) else f"unexpected {type(e).__name__}: {e}"
+            rejects.append({"row": raw.index, "reason": reason})
+            if len(rejects) <= MAX_REJECTS_LOGGED_PER_PART:
+                log.warning(
+                    "%s row %d%s: rejected: %s",
+                    source,
+                    raw.index,
+                    line_note.format(raw.index + 1),
+                    reason,
+                    exc_info=not isinstance(e, RowRejected),
+                )
+            continue
+        for s in row:  # a row's samples stay together, in one part
+            seen[s.sample_id] = raw.index
+            accepted.append((raw.index, s))
+    return accepted, rejects
+
+
+def sample_lengths(
+    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64
+) -> tuple[list[int], int]:
+    """(token counts of the accepted rows, rows read) over the first n rows of [start, end)."""
+    lengths, read = [], 0
+    for raw in read_rows(data_path, start, min(end, start + n), split):
+        read += 1
+        try:
+            if raw.error:
+                raise RowRejected(raw.error)
+            _, messages = normalize_messages(raw.value)
+            ids, _ = tokenize_conversation(tokenizer, messages, max_seq_len)
+        except RowRejected:
+            continue
+        lengths.append(len(ids))
+    return lengths, read
+
+
+def sample_tokens_per_row(
+    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64
+) -> float | None:
+    """Mean tokens per input row (a rejected row counts 0) over a sample; None without rows."""
+    lengths, read = sample_lengths(tokenizer, data_path, split, start, end, max_seq_len, n)
+    return sum(lengths) / read if read else None

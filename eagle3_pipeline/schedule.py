@@ -14,6 +14,17 @@ SCHEDULES = ("cosine", "linear", "constant")
 DEFAULT_VALIDATIONS_PER_RUN = 10  # evaluations (and checkpoints) spread over a run unless given in steps
 
 
+def steps_per_epoch(micro_batches: int, world_size: int, grad_accum: int) -> int:
+    """Optimizer steps per epoch on each rank: the epoch's micro-batches shared by the ranks, grad_accum of
+    them per step (the remainder is dropped; at least one step)."""
+    return max(1, micro_batches // (world_size * grad_accum))
+
+
+def total_steps(per_epoch: int, epochs: int, max_steps: int | None) -> int:
+    """max_steps when given (beyond what the epochs allow it keeps cycling over the data), else epochs."""
+    return per_epoch * epochs if max_steps is None else max_steps
+
+
 def warmup_steps_for(total_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:
     """Explicit steps win; else the ratio of the run (at least one step when the ratio is positive)."""
     if warmup_steps is not None:

@@ -13,7 +13,9 @@ when it is read.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,16 @@ import torch
 from eagle3_pipeline import state_dtype, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.extract import SHARD_FORMAT, TOKEN_KEYS
 
 log = logging.getLogger("eagle3.shards")
+
+# /2: storage_dtype (fp8 with scales), sha256 per sample (checked when read) and of the token tensors
+SHARD_FORMAT = "eagle3-hidden-states/2"
+RUN_FILE = "run.json"  # the settings a shard was started with; a resume must match them
+TOKEN_KEYS = ("input_ids", "loss_mask", "offsets")  # what stage 02 reads of a part (tokens_sha256)
+MANIFEST_FILE = "manifest.json"  # the finished parts: file, sha256, bytes, tokens_sha256, samples
+REJECTS_FILE = "rejects.jsonl"  # one {"row", "reason"} per rejected input row
+PART_FILE = "part-{n:05d}.safetensors"
 
 # The facts a consumer relies on; they must agree across shards and with what the consumer expects.
 CONTRACT_KEYS = ("aux_layer_ids", "hidden_size", "dtype", "storage_dtype")
@@ -66,7 +75,7 @@ def find_shard_dirs(data_dirs: list[str]) -> list[Path]:
         p = Path(d)
         if not p.is_dir():
             raise UserError(f"{p}: not a folder (--data-dir)")
-        if (p / storage.META_NAME).exists() or (p / "run.json").exists() or p.name.startswith("rows_"):
+        if (p / storage.META_NAME).exists() or (p / RUN_FILE).exists() or p.name.startswith("rows_"):
             out.append(p)
         else:
             found = sorted(q for q in p.iterdir() if q.is_dir() and q.name.startswith("rows_"))
@@ -87,7 +96,7 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
     samples: list[SampleRef] = []
     seen: dict[str, Path] = {}
     for s in shards:
-        manifest = storage.read_json(s / "manifest.json")
+        manifest = storage.read_json(s / MANIFEST_FILE)
         for f in manifest["files"]:
             for i, smp in enumerate(f["samples"]):
                 if smp["id"] in seen:
@@ -122,7 +131,7 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
             f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
             "the shard with this version of 01_extract_hidden_states.py)"
         )
-    manifest_path = shard / "manifest.json"
+    manifest_path = shard / MANIFEST_FILE
     if storage.sha256_file(manifest_path) != meta["manifest_sha256"]:
         raise UserError(
             f"{manifest_path}: checksum mismatch with meta.json; the shard is corrupt, "
@@ -254,7 +263,7 @@ def iter_part_tokens(shards: list[Path]) -> Any:
     from safetensors import safe_open
 
     for s in shards:
-        for f in storage.read_json(s / "manifest.json")["files"]:
+        for f in storage.read_json(s / MANIFEST_FILE)["files"]:
             path = s / f["file"]
             with safe_open(str(path), "pt") as st:
                 tokens = {k: st.get_tensor(k) for k in TOKEN_KEYS}
@@ -264,3 +273,101 @@ def iter_part_tokens(shards: list[Path]) -> Any:
                     "re-extract the shard with --overwrite"
                 )
             yield tokens["input_ids"], tokens["loss_mask"]
+
+
+# ---- writing (stage 01) ---------------------------------------------------------------------------
+
+
+def part_info_name(n: int) -> str:
+    """The record of part n while the shard is being written (a part done; gone once COMPLETE)."""
+    return f"part-{n:05d}.json"
+
+
+def write_part(
+    shard: Path,
+    n: int,
+    samples: list[dict],
+    rejects: list[dict],
+    tensors: dict[str, list[torch.Tensor]],
+    rows: tuple[int, int],
+) -> None:
+    """Part n of a shard: its samples' tensors joined (offsets added) and its record (samples, rejects,
+    checksums); a part without samples has a record only."""
+    info: dict[str, Any] = {"rows": list(rows), "samples": samples, "rejects": rejects, "file": None}
+    if samples:
+        lengths = [len(t) for t in tensors["input_ids"]]
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        fname = PART_FILE.format(n=n)
+        joined = {k: torch.cat(v) for k, v in tensors.items()}
+        joined["offsets"] = offsets
+        digest = storage.save_safetensors_atomic(joined, shard / fname, metadata={"format": SHARD_FORMAT})
+        info.update(
+            file=fname,
+            sha256=digest,
+            bytes=(shard / fname).stat().st_size,
+            tokens_sha256=storage.sha256_tensors({k: joined[k] for k in TOKEN_KEYS}),
+        )
+    storage.write_json_atomic(shard / part_info_name(n), info)
+
+
+def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], config: dict[str, Any]) -> None:
+    """manifest.json, rejects.jsonl, meta.json and COMPLETE from the parts' records (every input row written
+    or rejected, else RuntimeError); the part records go only once COMPLETE is there."""
+    files, rejects = [], []
+    num_samples = num_tokens = num_loss_tokens = num_rows_written = num_truncated = 0
+    for n in range(num_parts):
+        info = storage.read_json(shard / part_info_name(n))
+        rejects.extend(info["rejects"])
+        if info["file"]:
+            files.append({k: info[k] for k in ("file", "sha256", "bytes", "tokens_sha256", "samples")})
+            num_samples += len(info["samples"])
+            num_rows_written += len({s["row"] for s in info["samples"]})  # a row may give several samples
+            num_truncated += sum("truncated_from" in s for s in info["samples"])
+            num_tokens += sum(s["num_tokens"] for s in info["samples"])
+            num_loss_tokens += sum(s["num_loss_tokens"] for s in info["samples"])
+    num_rows = settings["row_range"][1] - settings["row_range"][0]
+    if num_rows_written + len(rejects) != num_rows:  # every input row is written or rejected
+        raise RuntimeError(
+            f"{shard}: {num_rows_written} written + {len(rejects)} rejected != {num_rows} rows"
+        )
+    storage.write_json_atomic(shard / MANIFEST_FILE, {"files": files})
+    storage.write_bytes_atomic(shard / REJECTS_FILE, "".join(json.dumps(r) + "\n" for r in rejects).encode())
+    manifest_sha = storage.sha256_file(shard / MANIFEST_FILE)
+    meta = {
+        **settings,
+        "stage": "01_extract_hidden_states",
+        "hidden_size": settings["verifier"]["hidden_size"],
+        "num_aux_layers": len(settings["aux_layer_ids"]),
+        "num_rows": num_rows,
+        "num_rows_written": num_rows_written,
+        "num_samples": num_samples,
+        "num_truncated": num_truncated,
+        "num_rejected": len(rejects),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": num_loss_tokens,
+        "manifest_sha256": manifest_sha,
+        "config": config,
+        "versions": storage.versions(),
+    }
+    storage.write_json_atomic(shard / storage.META_NAME, meta)
+    storage.mark_complete(shard)
+    for n in range(num_parts):  # only now: a crash before COMPLETE must find every finished part
+        (shard / part_info_name(n)).unlink()
+    log.info(
+        "done %s | rows %d | written %d | samples %d | truncated %d | rejected %d (see rejects.jsonl) "
+        "| tokens %d | loss tokens %d",
+        shard,
+        num_rows,
+        num_rows_written,
+        num_samples,
+        num_truncated,
+        len(rejects),
+        num_tokens,
+        num_loss_tokens,
+    )
+    if rejects:
+        reasons: dict[str, int] = {}
+        for r in rejects:  # "turn 3 (assistant) is empty" -> "turn N is empty"
+            key = re.sub(r"(?<![\w-])\d+(?![\w-])", "N", re.sub(r"\s*\([^)]*\)", "", r["reason"]))
+            reasons[key] = reasons.get(key, 0) + 1
+        log.warning("rejected rows by reason: %s", json.dumps(reasons))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_pipeline.config import FP8, STORAGE_DTYPES  # --storage-dtype's choices, owned there
+from eagle3_pipeline.config import EXTRACT_DTYPES, FP8, STORAGE_DTYPES  # the choices, owned there
 from eagle3_pipeline.errors import UserError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec, E4M3: S.1111.110 = 448)
@@ -29,6 +29,15 @@ STATE_KEYS = ("aux_hidden_states", "last_hidden_state")
 SAMPLE_SCALE = "_sample_scale"  # suffix of the per-sample scale tensors (indexed by sample, not token)
 TOKEN_SCALE = "_scale"  # suffix of the per-token scales of older shards
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, FP8: 1}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    try:
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+    except KeyError:
+        raise UserError(f"dtype {name!r}: use one of {', '.join(EXTRACT_DTYPES)}") from None
 
 
 def resolve_storage_dtype(name: str, compute_dtype: torch.dtype) -> str:

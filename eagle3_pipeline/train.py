@@ -26,7 +26,13 @@ from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TRAIN_DTYPES, TrainConfig, config_to_dict
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
-from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft, trainable_names
+from eagle3_pipeline.draft import (
+    DraftSpec,
+    attach_verifier_tensors,
+    build_draft,
+    spec_for_training,
+    trainable_names,
+)
 from eagle3_pipeline.errors import DiskFull, UserError
 from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
@@ -90,24 +96,8 @@ def open_data(cfg: TrainConfig) -> RunData:
 
 
 def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
-    vmeta = data.shard_set.meta["verifier"]
-    return DraftSpec(
-        hidden_size=vmeta["hidden_size"],
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        rms_norm_eps=vmeta["rms_norm_eps"],
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings,
-        vocab_size=vmeta["vocab_size"],
-        draft_vocab_size=int(data.d2t.numel()),
-        aux_layer_ids=tuple(data.shard_set.meta["aux_layer_ids"]),
-        norm_before_residual=cfg.norm_before_residual,
-        norm_before_fc=cfg.norm_before_fc,
-        fc_norm=cfg.fc_norm,
-        norm_output=cfg.norm_output,
-    )
+    meta = data.shard_set.meta
+    return spec_for_training(cfg, meta["verifier"], int(data.d2t.numel()), meta["aux_layer_ids"])
 
 
 def recipe_of(cfg: TrainConfig) -> dict[str, Any]:
@@ -176,13 +166,9 @@ def build_model(
 
 
 def plan_run(cfg: TrainConfig, data: RunData, dist: Dist) -> Plan:
-    per_rank = max(
-        1,
-        len(micro_batches(data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
-        // (dist.world * cfg.grad_accum),
-    )
-    total = per_rank * cfg.epochs if cfg.max_steps is None else cfg.max_steps
-    # max_steps beyond what the epochs allow keeps cycling over the data
+    batches = len(micro_batches(data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+    per_rank = schedule.steps_per_epoch(batches, dist.world, cfg.grad_accum)
+    total = schedule.total_steps(per_rank, cfg.epochs, cfg.max_steps)
     return Plan(
         steps_per_epoch=per_rank,
         total_steps=total,

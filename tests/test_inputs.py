@@ -236,18 +236,18 @@ def test_truncate_keeps_a_long_row_and_token_rows_give_several_samples(tiny_veri
 
 
 def test_unexpected_error_in_one_row_is_a_reject_and_the_block_goes_on(monkeypatch, tokenizer, caplog):
-    from eagle3_pipeline import extract
+    from eagle3_pipeline import samples
     from eagle3_pipeline.conversations import RawRow
     from eagle3_pipeline.samples import SampleOptions
 
-    real = extract.row_samples
+    real = samples.row_samples
 
     def flaky(value, index, tok, opts):
         if index == 1:
             raise ZeroDivisionError("boom")
         return real(value, index, tok, opts)
 
-    monkeypatch.setattr(extract, "row_samples", flaky)
+    monkeypatch.setattr(samples, "row_samples", flaky)
     ok = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
     raws = [
         RawRow(0, {"id": "x", **ok}),
@@ -255,7 +255,7 @@ def test_unexpected_error_in_one_row_is_a_reject_and_the_block_goes_on(monkeypat
         RawRow(2, {"id": "x", **ok}),
         RawRow(3, error="empty line"),
     ]
-    accepted, rejects = extract.block_samples(raws, tokenizer, SampleOptions(100), {}, "d.jsonl")
+    accepted, rejects = samples.block_samples(raws, tokenizer, SampleOptions(100), {}, "d.jsonl")
     assert [(row, s.sample_id) for row, s in accepted] == [(0, "x")]
     assert rejects == [
         {"row": 1, "reason": "unexpected ZeroDivisionError: boom"},

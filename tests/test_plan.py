@@ -72,10 +72,12 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
     )
     assert 0 <= m["weights"] - 4 * (TRAINABLE + FROZEN) - (VD * 8 + V) < 1024  # + d2t int64, t2d bool, rope
     T = 16384  # batch_tokens of kimi_k25.toml (ttt_steps 3)
-    # sdpa: additive bf16 masks [T, (s+1)T] kept for backward at each step + the last boolean one
-    assert m["attention_mask_by_impl"]["sdpa"] == 2 * T * T * (1 + 2 + 3) + T * 3 * T
-    assert m["attention_mask_by_impl"]["flex"] < 2**21  # block indices only
-    assert m["mask_impl"] == "sdpa" and m["total"] == m["total_by_impl"]["sdpa"]
+    # sdpa: boolean masks, the last two alive together (T^2 (2 x 3 + 1)), and the additive bf16 masks
+    # [T, (s+1)T] kept for backward at each step
+    assert m["attention_mask_by_impl"]["sdpa"] == T * T * (2 * 3 + 1) + 2 * T * T * (1 + 2 + 3)
+    assert m["attention_mask_by_impl"]["flex"] < 2.1 * T * T  # the transient dense mask + block indices
+    # on the GPUs it plans for, auto trains with flex (kernel_policy.resolve on CUDA)
+    assert m["mask_impl"] == "flex" and m["total"] == m["total_by_impl"]["flex"]
     # steps: 1% held out by stage 03, 16384 // 2000 = 8 rows per micro-batch, 8 GPUs, 10 epochs
     micro = math.ceil(600_000 * 0.99 / 8)
     assert p["steps"] == {
@@ -223,9 +225,10 @@ def test_runs_that_would_not_fit_refuse_to_start_with_the_numbers(
 
 
 def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backward():
-    """The plan's activations + sdpa mask against the bytes autograd really keeps (fp32, CPU, sdpa):
-    every tensor saved for backward during the TTT forward, counted once per storage, weights excluded.
-    Measured 1.03x the estimate at T=1024 (1.06x at 256); a formula missing the growing mask or the
+    """The plan's activations + sdpa attention bytes (kernel_policy's) against the bytes autograd really
+    keeps (fp32, CPU, sdpa): every tensor saved for backward during the TTT forward, counted once per
+    storage, weights excluded. Measured 0.998x the estimate at T=1024; a formula missing the growing mask or
+    the
     K/V cache would be off by more than the 15% allowed."""
     import torch
 
@@ -262,7 +265,36 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
         forward(model, batch, S, 1.0, torch.device("cpu"), None, kern)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(v for k, v in saved.items() if k not in weights)
-    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32")
-    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 1, "sdpa")
+    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32", attn_impl="sdpa")
+    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 1, cuda=False)
     assert 0.9 <= measured / (m["activations"] + m["attention_mask"]) <= 1.15, (measured, m)
     assert measured > 1.15 * m["activations"]  # the mask is a real part of it at this T
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("attn_impl", ["auto", "sdpa", "flex", "eager"])
+def test_plan_attention_memory_is_what_the_trainers_kernel_policy_resolves_and_counts(cuda, attn_impl):
+    """The plan cannot drift from the trainer (issue 16): its attention bytes are kernel_policy's for the
+    implementation kernel_policy.resolve picks on that device, at the plan's packed row and TTT steps."""
+    import torch
+
+    from eagle3_pipeline import kernel_policy
+    from eagle3_pipeline.config import TrainConfig
+    from eagle3_pipeline.draft import spec_for_training
+    from eagle3_pipeline.plan import draft_report, memory_per_gpu
+
+    cfg = TrainConfig(batch_tokens=4096, max_seq_len=2048, ttt_steps=4, dtype="bfloat16", attn_impl=attn_impl)
+    verifier = {"hidden_size": 256, "vocab_size": 320, "rms_norm_eps": 1e-6}
+    spec = spec_for_training(cfg, verifier, 96, (1, 2, 3))
+    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 8, cuda=cuda)
+    device = torch.device("cuda" if cuda else "cpu")
+    if attn_impl == "flex" and not cuda:  # the trainer refuses it (no backward on CPU): nothing to compare
+        with pytest.raises(Exception, match="no backward on CPU"):
+            kernel_policy.resolve(attn_impl, "eager", "auto", device, cfg.batch_tokens)
+        return
+    resolved = kernel_policy.resolve(attn_impl, "eager", "auto", device, cfg.batch_tokens).attn_impl
+    assert m["mask_impl"] == resolved
+    heads = spec.num_attention_heads
+    assert m["attention_mask"] == kernel_policy.attention_extra_bytes(resolved, 4096, 4, heads, 2)
+    rest = m["total_by_impl"]["sdpa"] - m["attention_mask_by_impl"]["sdpa"]  # the same but for attention
+    assert m["total"] - m["attention_mask"] == rest

@@ -1,6 +1,6 @@
 """Property: stage 01's row path never raises, whatever the rows (issue 8). Generated .jsonl lines (valid,
 malformed, odd types and roles, assistant-first, empty, huge, BOM, non-UTF-8, token-id rows) go through
-the real reader and `extract.block_samples`, the per-row loop of stage 01: every row comes back written
+the real reader and `samples.block_samples`, the per-row loop of stage 01: every row comes back written
 or rejected with a reason, never both, never as an unexpected error, and every sample is well formed."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from kimi_fixture import build_kimi_tokenizer
 
 from eagle3_pipeline.conversations import read_rows
-from eagle3_pipeline.extract import block_samples
-from eagle3_pipeline.samples import SampleOptions
+from eagle3_pipeline.samples import SampleOptions, block_samples
 
 MAX_EXAMPLES = 40  # about 2-4 s per tokenizer on one CPU thread
 
