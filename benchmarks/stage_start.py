@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
 
 from eagle3_pipeline import storage
-from eagle3_pipeline.config import ExtractConfig, config_to_dict
+from eagle3_pipeline.config import ExtractConfig, provenance
 from eagle3_pipeline.shards import MANIFEST_FILE, SHARD_FORMAT, finish_shard, open_shards, write_part
 from eagle3_pipeline.state_dtype import encode
 
@@ -70,10 +70,8 @@ def write_shard(root: Path, parts: int, part_bytes: int, samples_per_part: int =
         "storage_dtype": "float32", "data_path": "/synthetic", "data_split": "train",
         "row_range": [0, parts * samples_per_part], "max_seq_len": 4096, "samples_per_file": samples_per_part,
     }  # fmt: skip
-    config = config_to_dict(
-        ExtractConfig(verifier_path="/synthetic", data_path="/synthetic", out_dir=str(root))
-    )
-    finish_shard(shard, len(blocks), settings, config)
+    made = provenance(ExtractConfig(verifier_path="/synthetic", data_path="/synthetic", out_dir=str(root)))
+    finish_shard(shard, len(blocks), settings, made)
     return shard
 
 

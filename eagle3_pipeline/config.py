@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline import storage
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.schedule import SCHEDULES
 from eagle3_pipeline.trackers import KNOWN_LOGGERS
@@ -594,7 +595,9 @@ def served_mode_defaults(serving: dict[str, Any], section: str, path: Path) -> d
         raise UserError(f"{path}: unknown key(s) {unknown} in [serving]; known keys: ['mode']")
     mode = SERVED_MODES.get(serving.get("mode"))  # type: ignore[arg-type]
     if mode is None:
-        raise UserError(f"{path}: [serving] mode = {serving.get('mode')!r}: choose one of {sorted(SERVED_MODES)}")
+        raise UserError(
+            f"{path}: [serving] mode = {serving.get('mode')!r}: choose one of {sorted(SERVED_MODES)}"
+        )
     return {key: dataclasses.asdict(mode)[key] for key in SERVED_MODE_KEYS.get(section, ())}
 
 
@@ -682,3 +685,13 @@ def options_from_args(cls: type, args: argparse.Namespace) -> Any:
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+HOW_IT_RAN = ("overwrite", "serve", "vllm_python")  # settings of how a stage ran, not of what it wrote
+
+
+def provenance(cfg: Any) -> dict[str, Any]:
+    """What every stage's meta.json records of how it was made: its settings (less HOW_IT_RAN) and the
+    library versions."""
+    recorded = {k: v for k, v in config_to_dict(cfg).items() if k not in HOW_IT_RAN}
+    return {"config": recorded, "versions": storage.versions()}

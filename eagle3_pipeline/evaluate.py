@@ -26,7 +26,7 @@ from eagle3_pipeline.acceptance import (
     verify_pass,
 )
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import EVALUATE_ENGINES, EvaluateConfig, config_to_dict
+from eagle3_pipeline.config import EVALUATE_ENGINES, EvaluateConfig, provenance
 from eagle3_pipeline.conversations import RowRejected, read_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.reference_draft import ReferenceDraft
@@ -198,9 +198,7 @@ def compare(
         max(SAMPLED_Z * var**0.5, RATE_TOLERANCE * drafts) / drafts
         for var in sim["expected_variance_per_pos"]
     ]
-    diffs = [
-        abs(e - v) / drafts for e, v in zip(sim["expected_accepted_per_pos"], vllm["accepted_per_pos"])
-    ]
+    diffs = [abs(e - v) / drafts for e, v in zip(sim["expected_accepted_per_pos"], vllm["accepted_per_pos"])]
     return {
         "lossless": None,  # sampled outputs are compared in law (the rates), not token for token
         "drafts_equal": sim["num_drafts"] == vllm["num_drafts"],
@@ -248,8 +246,7 @@ def run(cfg: EvaluateConfig) -> int:
         "max_new_tokens": cfg.max_new_tokens,
         "num_speculative_tokens": k,
         "sampling": dataclasses.asdict(sampling),
-        "config": config_to_dict(cfg),
-        "versions": storage.versions(),
+        **provenance(cfg),
     }
     if cfg.engine in ("vllm", "both"):
         result["vllm"] = vllm_engine.generate(
@@ -269,7 +266,14 @@ def run(cfg: EvaluateConfig) -> int:
         # sampled `both`: the simulation counts over vLLM's own outputs (compare); greedy: its own trace
         replay = result["vllm"]["outputs"] if cfg.engine == "both" and not sampling.greedy else None
         result["sim"], reference = simulate(
-            verifier_path, draft_dir, requests, cfg.max_new_tokens, k, cfg.trust_remote_code, sampling, replay,
+            verifier_path,
+            draft_dir,
+            requests,
+            cfg.max_new_tokens,
+            k,
+            cfg.trust_remote_code,
+            sampling,
+            replay,
             cfg.draft_sample_method,
         )
         _log("sim" if replay is None else "sim (replaying vLLM's outputs)", result["sim"])

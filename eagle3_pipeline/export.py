@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import checkpoint, storage
-from eagle3_pipeline.config import ExportConfig, config_to_dict
+from eagle3_pipeline.config import ExportConfig, provenance
 from eagle3_pipeline.draft import DraftSpec, attach_verifier_tensors, build_draft
 from eagle3_pipeline.errors import DiskFull, UserError
 from eagle3_pipeline.packing import pack
@@ -440,8 +440,7 @@ def _build(
             "vocab_mapping_sha256": meta["vocab_mapping_sha256"],
             "readback": stats,
             "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
-            "config": config_to_dict(cfg),
-            "versions": storage.versions(),
+            **provenance(cfg),
         },
     )
     return stats, info, ckpt_name

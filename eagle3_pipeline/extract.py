@@ -25,7 +25,7 @@ import torch
 
 from eagle3_pipeline import shards, state_dtype, storage
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import EXTRACT_ENGINES, ExtractConfig, config_to_dict
+from eagle3_pipeline.config import EXTRACT_ENGINES, ExtractConfig, provenance
 from eagle3_pipeline.conversations import count_rows
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import Sample
@@ -184,7 +184,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             loaded["engine"] = _open_engine(cfg, facts, aux_ids, dtype)
         _check_free_space(cfg, shard, renderer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
         _extract_parts(shard, todo, storage_dtype, renderer, loaded["engine"])
-    shards.finish_shard(shard, len(blocks), settings, _recorded_config(cfg))
+    shards.finish_shard(shard, len(blocks), settings, provenance(cfg))
 
 
 def _check_free_space(
@@ -328,11 +328,3 @@ def _forward_batched(
             results[i] = (aux[row, :n], last[row, :n])
         start = end
     return results
-
-
-def _recorded_config(cfg: ExtractConfig) -> dict[str, Any]:
-    """The settings meta.json records: what was written, not how it ran."""
-    recorded = config_to_dict(cfg)
-    for key in ("overwrite", "serve", "vllm_python"):
-        recorded.pop(key, None)
-    return recorded

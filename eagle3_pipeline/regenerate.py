@@ -27,7 +27,7 @@ from typing import Any
 
 from eagle3_pipeline import storage
 from eagle3_pipeline.cli import progress
-from eagle3_pipeline.config import REGENERATE_ENGINES, RegenerateConfig, config_to_dict
+from eagle3_pipeline.config import REGENERATE_ENGINES, RegenerateConfig, provenance
 from eagle3_pipeline.conversations import (
     Conversation,
     RowRejected,
@@ -330,8 +330,6 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
         for s in json.loads(line)["token_samples"]:
             finishes[s["finish_reason"]] = finishes.get(s["finish_reason"], 0) + 1
             tokens += len(s["completion_ids"])
-    cfg_dict = config_to_dict(cfg)
-    cfg_dict.pop("overwrite", None)
     storage.write_json_atomic(
         out_dir / storage.META_NAME,
         {
@@ -344,8 +342,7 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
             "finish_reasons": finishes,
             "output": OUTPUT_NAME,
             "sha256": storage.sha256_file(out_dir / OUTPUT_NAME),
-            "config": cfg_dict,
-            "versions": storage.versions(),
+            **provenance(cfg),
         },
     )
     storage.mark_complete(out_dir)

@@ -58,6 +58,11 @@ class ShardSet:
     meta: dict[str, Any]  # the first shard's meta (all agree on CONTRACT_KEYS and the verifier)
     samples: list[SampleRef]
 
+    def made_from(self) -> dict[str, Any]:
+        """What a stage built from these shards records of them (stages 02, 03): the folders and the
+        contract the next stage checks."""
+        return {"shards": [str(s.resolve()) for s in self.shards], "source": self.contract()}
+
     def contract(self) -> dict[str, Any]:
         """What the next stage records and later checks: verifier identity + layout of the states."""
         return {
@@ -310,7 +315,7 @@ def write_part(
     storage.write_json_atomic(shard / part_info_name(n), info)
 
 
-def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], config: dict[str, Any]) -> None:
+def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], provenance: dict[str, Any]) -> None:
     """manifest.json, rejects.jsonl, meta.json and COMPLETE from the parts' records (every input row written
     or rejected, else RuntimeError); the part records go only once COMPLETE is there."""
     files, rejects = [], []
@@ -346,8 +351,7 @@ def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], config: 
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss_tokens,
         "manifest_sha256": manifest_sha,
-        "config": config,
-        "versions": storage.versions(),
+        **provenance,
     }
     storage.write_json_atomic(shard / storage.META_NAME, meta)
     storage.mark_complete(shard)

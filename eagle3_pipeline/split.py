@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from eagle3_pipeline import storage
-from eagle3_pipeline.config import SplitConfig, config_to_dict
+from eagle3_pipeline.config import SplitConfig, provenance
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import conversation_id
 from eagle3_pipeline.shards import SampleRef, open_shards
@@ -63,14 +63,10 @@ def run(cfg: SplitConfig) -> int:
         "train_tokens": sum(s.num_tokens for s in train),
         "val_tokens": sum(s.num_tokens for s in val),
         "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
-        "shards": [str(s.resolve()) for s in shard_set.shards],
-        "source": shard_set.contract(),
-        "config": config_to_dict(cfg),
-        "versions": storage.versions(),
+        **shard_set.made_from(),
+        **provenance(cfg),
     }
-    meta["config"].pop("overwrite")
-    storage.write_json_atomic(tmp / storage.META_NAME, meta)
-    storage.publish_dir(tmp, out_dir)
+    storage.publish_dir(tmp, out_dir, meta)
     log.info(
         "done %s | train %d conversations (%d tokens) | val %d (%d tokens)",
         out_dir,

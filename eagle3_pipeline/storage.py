@@ -255,8 +255,11 @@ def fresh_tmp_dir(out_dir: Path) -> Path:
     return tmp
 
 
-def publish_dir(tmp_dir: Path, out_dir: Path) -> None:
-    """Mark `tmp_dir` complete and move it to `out_dir`, replacing an older complete copy only now."""
+def publish_dir(tmp_dir: Path, out_dir: Path, meta: dict[str, Any] | None = None) -> None:
+    """Write `meta` (if given) as its meta.json, mark `tmp_dir` complete and move it to `out_dir`,
+    replacing an older complete copy only now."""
+    if meta is not None:
+        write_json_atomic(tmp_dir / META_NAME, meta)
     try:
         mark_complete(tmp_dir)
     except DiskFull:  # the unfinished folder must not linger as if it were in progress

@@ -24,7 +24,7 @@ import torch
 from eagle3_pipeline import checkpoint, plots, schedule, storage, trackers
 from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
-from eagle3_pipeline.config import TRAIN_DTYPES, TrainConfig, config_to_dict
+from eagle3_pipeline.config import TRAIN_DTYPES, TrainConfig, config_to_dict, provenance
 from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
 from eagle3_pipeline.draft import (
     DraftSpec,
@@ -130,9 +130,7 @@ def prepare_run_dir(cfg: TrainConfig, run_meta: dict[str, Any], dist: Dist) -> P
                     f"{meta_path}: the checkpoints in {ckpt_root} were trained with other {', '.join(changed)}; "
                     "an exact resume needs the same; use another --out-dir or --overwrite"
                 )
-        storage.write_json_atomic(
-            meta_path, {**run_meta, "config": config_to_dict(cfg), "versions": storage.versions()}
-        )
+        storage.write_json_atomic(meta_path, {**run_meta, **provenance(cfg)})
     return resume_from
 
 

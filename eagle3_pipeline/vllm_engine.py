@@ -47,7 +47,11 @@ def _engine_fields(gpus: int) -> dict[str, Any]:
 
 
 def generate_fields(
-    verifier: Path, draft: Path | None, prompts: list[list[int]], max_new_tokens: int, k: int,
+    verifier: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
     trust_remote_code: bool,
     draft_sample_method: str = "greedy",
 ) -> dict[str, Any]:
@@ -273,6 +277,8 @@ def generate_each(
 ) -> list[dict[str, Any]]:
     """`generate` once per sampling setting (acceptance.Sampling, None: greedy) in one worker session:
     the engine starts once, since sampling parameters are per request in vLLM."""
-    fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code, draft_sample_method)
+    fields = generate_fields(
+        verifier, draft, prompts, max_new_tokens, k, trust_remote_code, draft_sample_method
+    )
     with WorkerSession(python) as session:
         return [session.request({**fields, **sampling_fields(s, len(prompts))}) for s in samplings]

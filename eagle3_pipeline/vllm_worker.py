@@ -355,8 +355,12 @@ def engine_kwargs(req: dict) -> dict:
         trust_remote_code=req.get("trust_remote_code", False),
     )
     if draft is not None:
-        kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
-                                        "draft_sample_method": req.get("draft_sample_method", "greedy")}
+        kwargs["speculative_config"] = {
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": k,
+            "draft_sample_method": req.get("draft_sample_method", "greedy"),
+        }
     if req["task"] == "extract":
         # vLLM's extract_hidden_states method: the states at layer_ids (ascending; id = number of layers
         # is the last layer's pre-norm output) go through its KV cache to one safetensors file per

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline import storage
-from eagle3_pipeline.config import VocabConfig, config_to_dict
+from eagle3_pipeline.config import VocabConfig, provenance
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.shards import iter_part_tokens, open_shards
 
@@ -76,14 +76,10 @@ def run(cfg: VocabConfig) -> int:
         "coverage": coverage,
         "distinct_loss_tokens": int((counts > 0).sum()),
         "mapping_sha256": digest,
-        "shards": [str(s.resolve()) for s in shard_set.shards],
-        "source": shard_set.contract(),
-        "config": config_to_dict(cfg),
-        "versions": storage.versions(),
+        **shard_set.made_from(),
+        **provenance(cfg),
     }
-    meta["config"].pop("overwrite")
-    storage.write_json_atomic(tmp / storage.META_NAME, meta)
-    storage.publish_dir(tmp, out_dir)
+    storage.publish_dir(tmp, out_dir, meta)
     log.info(
         "done %s | draft vocab %d of %d | coverage %.4f of %d loss-masked target tokens (%d distinct)",
         out_dir,

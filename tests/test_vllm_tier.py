@@ -62,6 +62,42 @@ def test_cpu_plugin_spreads_float_and_int32_sampling_parameters_over_draft_token
     assert out["top_k"] == [5] * 3 + [0] * 3 + [7] * 2
     for name in ("temperature", "top_p", "top_k"):  # the bug the plugin fixes: nothing written
         assert out[name + "_unpatched"] == [7] * 8, out
+GENERATOR_PROBE = """
+import torch
+from vllm.plugins import load_general_plugins
+from vllm.v1.worker.gpu_input_batch import CachedRequestState
+def state():
+    return CachedRequestState(req_id="r", prompt_token_ids=[1, 2, 3], mm_features=[], sampling_params=None,
+                              generator=torch.Generator(device="cpu").manual_seed(7), block_ids=([],),
+                              num_computed_tokens=0, output_token_ids=[])
+try:
+    g = state().generator
+    g.set_offset(g.get_offset() - 4)
+    print("@@bare rewinds")
+except RuntimeError as e:
+    print("@@bare", e)
+load_general_plugins()
+g = state().generator
+g.set_offset(g.get_offset() - 4)  # what the runner does after a chunked prefill's discarded draw
+expected = torch.rand(4, generator=torch.Generator().manual_seed(7))
+print("@@plugin", torch.equal(torch.rand(4, generator=g), expected))
+"""
+
+
+def test_cpu_plugin_lets_a_seeded_request_survive_the_rewind_after_a_chunked_prefill():
+    """vLLM rewinds a seeded request's generator after a partial prefill's discarded draw; a CPU
+    generator has no offset and the engine dies ("CPU Generator does not use offset", stage 00 at
+    temperature 1.0 with a seed on long rows). With the plugin the rewind is a no-op on the same seeded
+    stream."""
+    import subprocess
+
+    proc = subprocess.run([str(vllm_engine.default_python()), "-c", GENERATOR_PROBE], capture_output=True,
+                          text=True, timeout=600, env=vllm_engine._worker_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x[2:] for x in proc.stdout.splitlines() if x.startswith("@@")]
+    assert lines == ["bare CPU Generator does not use offset", "plugin True"], proc.stdout[-2000:]
+
+
 # The two verifiers the tier serves: a tiny Llama, and a tiny DeepSeek-V3 with Kimi-K2.5's MLA latent
 # (kv_lora_rank 512 + qk_rope_head_dim 64), the code path Kimi takes in vLLM (configs/tiny_mla.toml).
 RUNS = {"llama": "tiny_llama.toml", "mla": "tiny_mla.toml"}

@@ -7,7 +7,8 @@ with exact acceptance counters (DEVELOPERS.md). Installed only by scripts/setup_
 CPU environment; on any other platform it does nothing.
 
 It also replaces the CPU stand-in of the rejection sampler's `expand_kernel`, which loses every float
-and int32 output (sampler.py): without it no acceptance at temperature > 0 means anything on CPUs.
+and int32 output (sampler.py): without it no acceptance at temperature > 0 means anything on CPUs; and
+gives seeded requests a CPU generator that a chunked prefill's rewind does not crash (generators.py).
 """
 
 
@@ -24,6 +25,7 @@ def register() -> None:
     cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
         get_supported_kernel_block_sizes
     )
-    from eagle3_vllm_cpu import sampler
+    from eagle3_vllm_cpu import generators, sampler
 
     sampler.register()
+    generators.register()
