@@ -154,7 +154,7 @@ def time_project(
     """Seconds per step of the project's optimizer step (or its no-grad forward when not train)."""
     from eagle3_pipeline.config import TrainConfig
     from eagle3_pipeline.train import Plan, build_optimizer
-    from eagle3_pipeline.train_metrics import forward
+    from eagle3_pipeline.train_metrics import Recipe, forward
 
     model, params = build(s, k, device)
     cfg = TrainConfig()
@@ -165,13 +165,13 @@ def time_project(
         t0 = time.perf_counter()
         if train:
             opt.zero_grad(set_to_none=True)
-            loss, _ = forward(model, batch, s.ttt_steps, 1.0, device, _autocast(device), k)
+            loss, _ = forward(model, batch, Recipe(s.ttt_steps, 1.0, "kl_div"), device, _autocast(device), k)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
         else:
             with torch.no_grad():
-                forward(model, batch, s.ttt_steps, 1.0, device, _autocast(device), k)
+                forward(model, batch, Recipe(s.ttt_steps, 1.0, "kl_div"), device, _autocast(device), k)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,36 @@ from eagle3_pipeline.errors import DiskFull, UserError
 log = logging.getLogger("eagle3.checkpoint")
 
 BEST_FILE = "best.json"
+DIR_NAME = "checkpoints"  # inside a training run's --out-dir
+
+
+def root_of(run_dir: Path) -> Path:
+    """Where a training run keeps its checkpoints."""
+    return run_dir / DIR_NAME
+
+
+def checkpoint_bytes(trainable: int) -> int:
+    """One training checkpoint: fp32 trainable weights + AdamW's two fp32 states (state.pt)."""
+    return trainable * 4 + 2 * trainable * 4
+
+
+def checkpoints_disk(trainable: int, keep_last: int) -> int:
+    """keep_last + the best one + the one being written."""
+    return checkpoint_bytes(trainable) * (keep_last + 2)
+
+
+def check_space(root: Path, keep_last: int, trainable: int) -> None:
+    """Refuse to start when the checkpoints the run keeps would not fit on the run folder's disk."""
+    have = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
+    need = max(0, checkpoints_disk(trainable, keep_last) - have)  # what is kept already counts
+    free = storage.free_bytes(root.parent)
+    if need > free:
+        raise UserError(
+            f"{root}: {keep_last} + 2 checkpoints x "
+            f"{storage.format_bytes(checkpoint_bytes(trainable))} (fp32 weights + AdamW states of "
+            f"{trainable:,} parameters) = {storage.describe_bytes(need)} needed, "
+            f"{storage.describe_bytes(free)} free; free space, lower --keep-last, or use another --out-dir"
+        )
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -135,3 +166,51 @@ def load(
     weights = load_file(str(ckpt / "model.safetensors"))
     state = torch.load(ckpt / "state.pt", weights_only=False) if with_state else None
     return weights, state, storage.read_json(ckpt / "checkpoint.json")
+
+
+@dataclass
+class Checkpointer:
+    """A training run's checkpoints: when one is due, rank 0 writing it (trainable weights, optimizer,
+    scheduler, RNG), keep_last and the best kept (`save`), and a full disk on rank 0 stopping every rank
+    with the reason rather than leaving the others waiting."""
+
+    root: Path
+    keep_last: int
+    save_every: int
+    total_steps: int
+    model: Any
+    names: list[str]
+    optimizer: Any
+    scheduler: Any
+    dist: Any  # distributed.Dist
+    device: torch.device
+
+    def due(self, step: int, validated: bool, stopping: bool) -> bool:
+        """On the cadence, at the last step, after a validation (the best is chosen among those) and
+        when the run stops on a signal."""
+        return step % self.save_every == 0 or step == self.total_steps or validated or stopping
+
+    def save(self, step: int, history: dict[str, Any], val: dict[str, float] | None) -> None:
+        failure: DiskFull | None = None
+        if self.dist.rank == 0:
+            params = dict(self.model.named_parameters())
+            train_state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(),
+            }
+            info: dict[str, Any] = {"history": history}
+            if val is not None:
+                info["val"] = val
+            try:
+                weights = {n: params[n] for n in self.names}
+                log.info("checkpoint %s", save(self.root, step, weights, train_state, info, self.keep_last))
+            except DiskFull as e:
+                failure = e
+        if self.dist.enabled:  # doubles as the barrier after the save
+            failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
+            torch.distributed.all_reduce(failed)
+            if failed.item() and failure is None:
+                raise UserError(f"rank 0 could not save checkpoint step {step} (disk full; see rank 0)")
+        if failure is not None:
+            raise failure

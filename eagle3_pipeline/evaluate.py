@@ -286,22 +286,29 @@ def run(cfg: EvaluateConfig) -> int:
             " ".join(f"{d:.3f}" for d in c["rate_diff_per_pos"]),
             " ".join(f"{t:.3f}" for t in c["rate_tolerance_per_pos"]),
         )
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else draft_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / result_name(cfg.engine, sampling, cfg.draft_sample_method)
-    storage.write_json_atomic(path, result)
-    from eagle3_pipeline.plots import write_acceptance_plot  # matplotlib only once there is a result
-
-    engines = {e: result[e] for e in ("sim", "vllm") if e in result}
-    title = f"acceptance per position, {len(requests)} requests, k={k}" + (
-        "" if sampling.greedy else f", temperature {sampling.temperature:g} / top_p {sampling.top_p:g}"
-    )
-    plot = write_acceptance_plot(path.with_suffix(".png"), engines, title)
-    log.info("wrote %s and %s", path, plot)
+    path = _write_result(cfg, Path(cfg.out_dir) if cfg.out_dir else draft_dir, result, sampling)
     if cfg.engine == "both" and not (c["lossless"] in (None, True) and c["rates_agree"]):
         log.error("vLLM and the simulation disagree (see %s)", path)
         return 1
     return 0
+
+
+def _write_result(cfg: EvaluateConfig, out_dir: Path, result: dict[str, Any], sampling: Sampling) -> Path:
+    """The result JSON and its plot in out_dir; the JSON's path."""
+    from eagle3_pipeline.plots import write_acceptance_plot  # matplotlib only once there is a result
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / result_name(cfg.engine, sampling, cfg.draft_sample_method)
+    storage.write_json_atomic(path, result)
+    engines = {e: result[e] for e in ("sim", "vllm") if e in result}
+    title = (
+        f"acceptance per position, {result['num_requests']} requests, k={result['num_speculative_tokens']}"
+    )
+    if not sampling.greedy:
+        title += f", temperature {sampling.temperature:g} / top_p {sampling.top_p:g}"
+    plot = write_acceptance_plot(path.with_suffix(".png"), engines, title)
+    log.info("wrote %s and %s", path, plot)
+    return path
 
 
 def result_name(engine: str, sampling: Sampling, draft_sample_method: str = "greedy") -> str:

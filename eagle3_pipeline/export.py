@@ -135,8 +135,15 @@ def static_problems(
     config: dict[str, Any], tensors: dict[str, torch.Tensor], expect: dict[str, Any]
 ) -> list[str]:
     """Contract checks on config.json + tensors against what training did (`expect`)."""
+    p = _config_problems(config, expect["draft"])
+    if p:  # shapes need a sane config
+        return p
+    return _tensor_problems(config, tensors, expect)
+
+
+def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """config.json against the trained draft's spec: what vLLM reads and would get wrong silently."""
     p: list[str] = []
-    spec = expect["draft"]
     if config.get("architectures") != ["LlamaForCausalLMEagle3"] or config.get("model_type") != "llama":
         p.append(
             "architectures must be [LlamaForCausalLMEagle3] with model_type llama (deepseek_v3 would be "
@@ -185,8 +192,14 @@ def static_problems(
         p.append(f"eagle_config.norm_before_fc {nested_fc!r} != top-level {config.get('norm_before_fc')!r}")
     if config.get("rope_scaling") is not None:
         p.append("rope_scaling must be null (training used plain RoPE)")
-    if p:  # shapes need a sane config
-        return p
+    return p
+
+
+def _tensor_problems(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], expect: dict[str, Any]
+) -> list[str]:
+    """The tensors against the shapes a sane config.json gives and the vocab mapping trained with."""
+    p: list[str] = []
     shapes = expected_shapes(config)
     for name in tensors:
         if name.startswith("model."):
@@ -296,7 +309,7 @@ def load_trained(
     `which` = "init" gives the draft as training initialised it (same seed): the untrained baseline.
     """
     meta = storage.read_json(train_dir / storage.META_NAME)
-    ckpt = None if which == "init" else checkpoint.resolve(train_dir / "checkpoints", which)
+    ckpt = None if which == "init" else checkpoint.resolve(checkpoint.root_of(train_dir), which)
     spec = DraftSpec.from_json(meta["draft"])
     torch.manual_seed(meta["config"]["seed"])
     vocab_meta, d2t, t2d = load_mapping(Path(meta["vocab_mapping_dir"]))

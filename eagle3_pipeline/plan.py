@@ -4,7 +4,7 @@
 from the verifier's config.json alone (no weights: the draft is built on the meta device) and the token
 counts of the data: exact ones from shard manifests when shards exist, else a tokenized sample of the
 data rows, else `--plan-tokens-per-row`. The real runs refuse to start when the disk they need exceeds
-the free space (extract._check_free_space, train._check_checkpoint_space). It also shows what the draft
+the free space (extract._check_free_space, checkpoint.check_space). It also shows what the draft
 costs at serving time: its KV cache per token beside the verifier's, under tensor parallelism and under
 data-parallel attention (kv_cache.py).
 
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline import checkpoint, kv_cache, packing, schedule, state_dtype, storage
 from eagle3_pipeline import kernel_policy as kernels
-from eagle3_pipeline import kv_cache, packing, schedule, state_dtype, storage
 from eagle3_pipeline.config import ExtractConfig, PlanOptions, TrainConfig, load_config_file
 from eagle3_pipeline.conversations import count_rows
 from eagle3_pipeline.draft import DraftSpec, build_draft, spec_for_training, trainable_names
@@ -131,16 +131,6 @@ def memory_per_gpu(
         "total": sum(parts.values()) + impls[chosen],
         "total_by_impl": {k: sum(parts.values()) + v for k, v in impls.items()},
     }
-
-
-def checkpoint_bytes(trainable: int) -> int:
-    """One training checkpoint: fp32 trainable weights + AdamW's two fp32 states (state.pt)."""
-    return trainable * 4 + 2 * trainable * 4
-
-
-def checkpoints_disk(trainable: int, keep_last: int) -> int:
-    """keep_last + the best one + the one being written."""
-    return checkpoint_bytes(trainable) * (keep_last + 2)
 
 
 # ---- steps ----------------------------------------------------------------------------------------
@@ -238,7 +228,7 @@ def build(
         "gpus": opts.plan_gpus,
         "memory_per_gpu": memory_per_gpu(spec, draft, train, opts.plan_gpus),
         "kv_cache": kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus),
-        "checkpoints_disk": checkpoints_disk(draft["trainable_parameters"], train.keep_last),
+        "checkpoints_disk": checkpoint.checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
         "trained_tokens": trained_tokens,
         "tokens_per_second": opts.plan_tokens_per_second,

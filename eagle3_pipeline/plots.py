@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Redraw the plots of a stage-04 run folder.")
     parser.add_argument("train_dir", type=Path)
     args = parser.parse_args(argv)
-    ckpt = checkpoint.latest(args.train_dir / "checkpoints")
+    ckpt = checkpoint.latest(checkpoint.root_of(args.train_dir))
     history = storage.read_json(ckpt / "checkpoint.json").get("history", {}) if ckpt else {}
     for p in write_training_plots(args.train_dir, history):
         print(p)

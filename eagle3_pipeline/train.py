@@ -33,11 +33,12 @@ from eagle3_pipeline.draft import (
     spec_for_training,
     trainable_names,
 )
-from eagle3_pipeline.errors import DiskFull, UserError
+from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
 from eagle3_pipeline.split import load_split, split_samples
 from eagle3_pipeline.train_metrics import (
+    Recipe,
     accumulate,
     forward,
     log_validation,
@@ -113,7 +114,7 @@ def recipe_of(cfg: TrainConfig) -> dict[str, Any]:
 def prepare_run_dir(cfg: TrainConfig, run_meta: dict[str, Any], dist: Dist) -> Path | None:
     """Create (or clear with --overwrite) the run folder; the checkpoint to resume from, if any."""
     out_dir = Path(cfg.out_dir)
-    ckpt_root = out_dir / "checkpoints"
+    ckpt_root = checkpoint.root_of(out_dir)
     resume_from = None if cfg.overwrite else checkpoint.latest(ckpt_root)
     if dist.rank == 0:
         if cfg.overwrite and out_dir.exists():
@@ -211,7 +212,52 @@ def run(cfg: TrainConfig) -> int:
     verifier_path = Path(cfg.verifier_path or data.shard_set.meta["verifier"]["path"])
     plan = plan_run(cfg, data, dist)
     kern = resolve_kernels(cfg, device)
-    run_meta = {
+    run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
+    resume_from = prepare_run_dir(cfg, run_meta, dist)
+    model, names = build_model(cfg, spec, data, verifier_path, device, kern)
+    log.info("kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s", kern.attn_impl,
+             cfg.loss, kern.loss_impl, "on" if kern.compile else "off",
+             kern.length_buckets or kern.pad_multiple)  # fmt: skip
+    ddp_model = model
+    if dist.enabled:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    params = [p for n, p in model.named_parameters() if n in names]
+    if dist.rank == 0:
+        checkpoint.check_space(
+            checkpoint.root_of(Path(cfg.out_dir)), cfg.keep_last, sum(p.numel() for p in params)
+        )
+    optimizer, scheduler = build_optimizer(cfg, params, plan)
+    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
+    if prog.step >= plan.total_steps:
+        log.info(
+            "skip: %s already reached step %d of %d (use --overwrite to retrain)",
+            cfg.out_dir,
+            prog.step,
+            plan.total_steps,
+        )
+        return 0
+    log.info("plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
+             plan.total_steps, plan.steps_per_epoch, plan.warmup_steps, plan.eval_every, plan.save_every,
+             cfg.lr, cfg.lr_schedule)  # fmt: skip
+    tracker = trackers.open_trackers(
+        cfg.loggers, Path(cfg.out_dir), config_to_dict(cfg), prog.step, dist.rank
+    )
+    loop = TrainLoop(
+        cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data, kern, tracker
+    )
+    try:
+        code = loop.run(prog)
+    finally:
+        tracker.close()
+    return _finish(cfg, plan, dist, prog, code)
+
+
+def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: Path, plan: Plan,
+              kern: kernels.Kernels) -> dict[str, Any]:  # fmt: skip
+    """What meta.json records of the run (a resume must find the same RESUME_KEYS)."""
+    return {
         "stage": "04_train",
         "draft": spec.to_json(),
         "source": data.shard_set.contract(),
@@ -227,69 +273,20 @@ def run(cfg: TrainConfig) -> int:
         "plan": vars(plan),
         "kernels": kern.to_json(),
     }
-    resume_from = prepare_run_dir(cfg, run_meta, dist)
-    model, names = build_model(cfg, spec, data, verifier_path, device, kern)
-    log.info(
-        "kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s",
-        kern.attn_impl,
-        cfg.loss,
-        kern.loss_impl,
-        "on" if kern.compile else "off",
-        kern.length_buckets or kern.pad_multiple,
-    )
-    ddp_model = model
-    if dist.enabled:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    params = [p for n, p in model.named_parameters() if n in names]
+
+
+def _finish(cfg: TrainConfig, plan: Plan, dist: Dist, prog: Progress, code: int) -> int:
+    """Plots (an interrupted run too: they show the run so far), the closing line, the process group."""
     if dist.rank == 0:
-        _check_checkpoint_space(cfg, sum(p.numel() for p in params))
-    optimizer, scheduler = build_optimizer(cfg, params, plan)
-    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
-    if prog.step >= plan.total_steps:
-        log.info(
-            "skip: %s already reached step %d of %d (use --overwrite to retrain)",
-            cfg.out_dir,
-            prog.step,
-            plan.total_steps,
-        )
-        return 0
-    log.info(
-        "plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
-        plan.total_steps,
-        plan.steps_per_epoch,
-        plan.warmup_steps,
-        plan.eval_every,
-        plan.save_every,
-        cfg.lr,
-        cfg.lr_schedule,
-    )
-    tracker = trackers.open_trackers(
-        cfg.loggers, Path(cfg.out_dir), config_to_dict(cfg), prog.step, dist.rank
-    )
-    loop = TrainLoop(
-        cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data, kern, tracker
-    )
-    try:
-        code = loop.run(prog)
-    finally:
-        tracker.close()
-    if dist.rank == 0:  # interrupted too: the plots show the run so far
         paths = plots.write_training_plots(Path(cfg.out_dir), prog.history)
         log.info("plots %s", ", ".join(str(p) for p in paths))
     if code:
         return code
     if dist.rank == 0 and "untrained" in prog.history:
-        final = prog.history.get(f"step_{plan.total_steps}", {})
-        log.info(
-            "done %s | val acc0 %.3f (untrained %.3f) | acceptance_length %.3f (untrained %.3f)",
-            cfg.out_dir,
-            final.get("acc_0", float("nan")),
-            prog.history["untrained"]["acc_0"],
-            final.get("acceptance_length", float("nan")),
-            prog.history["untrained"]["acceptance_length"],
-        )
+        final, untrained = prog.history.get(f"step_{plan.total_steps}", {}), prog.history["untrained"]
+        log.info("done %s | val acc0 %.3f (untrained %.3f) | acceptance_length %.3f (untrained %.3f)",
+                 cfg.out_dir, final.get("acc_0", float("nan")), untrained["acc_0"],
+                 final.get("acceptance_length", float("nan")), untrained["acceptance_length"])  # fmt: skip
     if dist.enabled:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -316,7 +313,12 @@ class TrainLoop:
 
     def __post_init__(self) -> None:
         self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
-        self.ckpt_root = Path(self.cfg.out_dir) / "checkpoints"
+        self.recipe = Recipe.of(self.cfg)
+        self.checkpoints = checkpoint.Checkpointer(
+            checkpoint.root_of(Path(self.cfg.out_dir)), self.cfg.keep_last, self.plan.save_every,
+            self.plan.total_steps, self.model, self.names, self.optimizer, self.scheduler, self.dist,
+            self.device,
+        )  # fmt: skip
         self.val_loader = self._loader(
             rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,
                                      self.cfg.seed, 0), self.dist)
@@ -337,14 +339,11 @@ class TrainLoop:
         return validate(
             self.ddp_model,
             self.val_loader,
-            self.cfg.ttt_steps,
-            self.cfg.ttt_step_loss_decay,
+            self.recipe,
             self.device,
             self.autocast_dtype,
             self.dist,
             self.kern,
-            self.cfg.served_k,
-            self.cfg.loss,
         )
 
     def epoch_batches(self, step: int) -> tuple[int, int, Any]:
@@ -371,14 +370,7 @@ class TrainLoop:
                 seed = ((cfg.seed * 1_000_003 + step) * 64 + micro) * 1024 + self.dist.rank
                 batch = with_state_noise(batch, cfg.state_noise, seed)
             loss, metrics = forward(
-                self.ddp_model,
-                batch,
-                cfg.ttt_steps,
-                cfg.ttt_step_loss_decay,
-                self.device,
-                self.autocast_dtype,
-                self.kern,
-                cfg.loss,
+                self.ddp_model, batch, self.recipe, self.device, self.autocast_dtype, self.kern
             )
             (loss / cfg.grad_accum).backward()
             accumulate(sums, metrics)
@@ -408,7 +400,7 @@ class TrainLoop:
                     meter.tokens += tokens
                     bar.update(1)
                     if prog.step % cfg.log_every == 0 or prog.step == plan.total_steps:
-                        self._log_interval(prog.step, epoch, grad_norm, meter)
+                        _log_interval(self, prog.step, epoch, grad_norm, meter)
                     if self._after_step(prog, stop):
                         log.warning(
                             "signal %d: checkpoint saved at step %d; rerun the same command to resume",
@@ -430,70 +422,40 @@ class TrainLoop:
             log_validation(prog.step, val, "val")
             self.tracker.log(_prefixed("val", val), prog.step)
         stopping = stop.agreed(self.dist, self.device)
-        if prog.step % self.plan.save_every == 0 or last or stopping or val is not None:
-            self._save(prog, val)
+        if self.checkpoints.due(prog.step, val is not None, stopping):
+            self.checkpoints.save(prog.step, prog.history, val)
         return stopping
 
-    def _log_interval(self, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:
-        m = summarize(all_reduce_sums(meter.sums, self.dist, self.device), self.cfg.ttt_steps)
-        elapsed = time.time() - meter.t0
-        line = {
-            "step": step,
-            "epoch": epoch,
-            "loss": m["loss"],
-            "acc0": m["acc_0"],
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm,
-            "tok_per_s": meter.tokens / max(elapsed, 1e-9),
-        }
-        log.info(
-            "step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
-            step,
-            self.plan.total_steps,
-            m["loss"],
-            m["acc_0"],
-            line["lr"],
-            grad_norm,
-            line["tok_per_s"],
-            elapsed / max(1, step - meter.start_step) * (self.plan.total_steps - step),
-        )
-        if self.dist.rank == 0:
-            storage.append_text(Path(self.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
-        self.tracker.log(_prefixed("train", {k: v for k, v in line.items() if k != "step"}), step)
-        meter.sums = {}
 
-    def _save(self, prog: Progress, val: dict[str, float] | None) -> None:
-        """Rank 0 writes the checkpoint; a full disk there stops every rank (no rank left waiting)."""
-        failure: DiskFull | None = None
-        if self.dist.rank == 0:
-            state = dict(self.model.named_parameters())
-            train_state = {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": checkpoint.rng_state(),
-            }
-            info: dict[str, Any] = {"history": prog.history}
-            if val is not None:
-                info["val"] = val
-            try:
-                path = checkpoint.save(
-                    self.ckpt_root,
-                    prog.step,
-                    {n: state[n] for n in self.names},
-                    train_state,
-                    info,
-                    self.cfg.keep_last,
-                )
-                log.info("checkpoint %s", path)
-            except DiskFull as e:
-                failure = e
-        if self.dist.enabled:  # doubles as the barrier after the save
-            failed = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
-            torch.distributed.all_reduce(failed)
-            if failed.item() and failure is None:
-                raise UserError(f"rank 0 could not save checkpoint step {prog.step} (disk full; see rank 0)")
-        if failure is not None:
-            raise failure
+def _log_interval(loop: TrainLoop, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:
+    """One greppable line per interval (and train_log.jsonl on rank 0, the trackers): the interval's
+    metrics over all ranks."""
+    m = summarize(all_reduce_sums(meter.sums, loop.dist, loop.device), loop.cfg.ttt_steps)
+    elapsed = time.time() - meter.t0
+    line = {
+        "step": step,
+        "epoch": epoch,
+        "loss": m["loss"],
+        "acc0": m["acc_0"],
+        "lr": loop.scheduler.get_last_lr()[0],
+        "grad_norm": grad_norm,
+        "tok_per_s": meter.tokens / max(elapsed, 1e-9),
+    }
+    log.info(
+        "step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
+        step,
+        loop.plan.total_steps,
+        m["loss"],
+        m["acc_0"],
+        line["lr"],
+        grad_norm,
+        line["tok_per_s"],
+        elapsed / max(1, step - meter.start_step) * (loop.plan.total_steps - step),
+    )
+    if loop.dist.rank == 0:
+        storage.append_text(Path(loop.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
+    loop.tracker.log(_prefixed("train", {k: v for k, v in line.items() if k != "step"}), step)
+    meter.sums = {}
 
 
 @dataclass
@@ -517,23 +479,6 @@ class _Meter:
 def _prefixed(group: str, metrics: dict[str, float]) -> dict[str, float]:
     """Tracker keys such as train/loss, val/acc_0: one panel group per source."""
     return {f"{group}/{k}": float(v) for k, v in metrics.items()}
-
-
-def _check_checkpoint_space(cfg: TrainConfig, trainable: int) -> None:
-    """Refuse to start when the checkpoints the run keeps would not fit on the run folder's disk."""
-    from eagle3_pipeline.plan import checkpoint_bytes, checkpoints_disk
-
-    ckpt_root = Path(cfg.out_dir) / "checkpoints"
-    have = sum(f.stat().st_size for f in ckpt_root.rglob("*") if f.is_file()) if ckpt_root.is_dir() else 0
-    need = max(0, checkpoints_disk(trainable, cfg.keep_last) - have)  # what is kept already counts
-    free = storage.free_bytes(Path(cfg.out_dir))
-    if need > free:
-        raise UserError(
-            f"{ckpt_root}: {cfg.keep_last} + 2 checkpoints x "
-            f"{storage.format_bytes(checkpoint_bytes(trainable))} (fp32 weights + AdamW states of "
-            f"{trainable:,} parameters) = {storage.describe_bytes(need)} needed, "
-            f"{storage.describe_bytes(free)} free; free space, lower --keep-last, or use another --out-dir"
-        )
 
 
 def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:

@@ -8,6 +8,7 @@ that a greedy chain of ttt_steps drafts would yield; the best checkpoint is pick
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,18 +19,33 @@ from eagle3_pipeline.distributed import Dist, all_reduce_sums
 log = logging.getLogger("eagle3.train")
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What one forward optimises and validation reports: TTT depth, the per-step loss decay, the loss
+    (a speculators loss name or JSON weights, kernel_policy.loss_config), and the k vLLM will serve with
+    (acceptance_length counts that many steps; None: all)."""
+
+    ttt_steps: int
+    decay: float
+    loss: str
+    served_k: int | None = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> Recipe:
+        """The recipe of a TrainConfig."""
+        return cls(cfg.ttt_steps, cfg.ttt_step_loss_decay, cfg.loss, cfg.served_k)
+
+
 def forward(
     model: Any,
     batch: dict[str, torch.Tensor],
-    ttt_steps: int,
-    decay: float,
+    recipe: Recipe,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
     kern: kernels.Kernels,
-    loss: str = "kl_div",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, `loss` (a speculators loss
-    name or JSON weights, kernel_policy.loss_config) against the verifier's distribution.
+    """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, the recipe's loss against
+    the verifier's distribution.
 
     The row is padded first where the kernels ask for it (flex: a multiple of its block; compile: a
     length bucket; kernel_policy.py says why); padding carries loss mask 0 and document id -1.
@@ -45,9 +61,9 @@ def forward(
             loss_mask=b["loss_mask"],
             position_ids=b["position_ids"],
             verifier_last_hidden_states=b["verifier_last"],
-            ttt_steps=ttt_steps,
-            ttt_step_loss_decay=decay,
-            loss_config=kernels.loss_config(kern, loss),
+            ttt_steps=recipe.ttt_steps,
+            ttt_step_loss_decay=recipe.decay,
+            loss_config=kernels.loss_config(kern, recipe.loss),
         )
     return value, metrics
 
@@ -87,22 +103,19 @@ def summarize(sums: dict[str, float], ttt_steps: int, served_k: int | None = Non
 def validate(
     model: Any,
     loader: Any,
-    ttt_steps: int,
-    decay: float,
+    recipe: Recipe,
     device: torch.device,
     autocast_dtype: Any,
     dist: Dist,
     kern: kernels.Kernels,
-    served_k: int | None = None,
-    loss: str = "kl_div",
 ) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     for batch in loader:
-        _, metrics = forward(model, batch, ttt_steps, decay, device, autocast_dtype, kern, loss)
+        _, metrics = forward(model, batch, recipe, device, autocast_dtype, kern)
         accumulate(sums, metrics)
     model.train()
-    return summarize(all_reduce_sums(sums, dist, device), ttt_steps, served_k)
+    return summarize(all_reduce_sums(sums, dist, device), recipe.ttt_steps, recipe.served_k)
 
 
 def log_validation(step: int, val: dict[str, float], label: str) -> None:

@@ -65,13 +65,13 @@ def _drafts(*attn: str) -> list:
 
 def _forward_per_step(model, batch: dict[str, torch.Tensor], k: kernels.Kernels, loss: str = "kl_div"):
     """(logits of every TTT step, loss, metrics) of one no-grad forward through train_metrics.forward."""
-    from eagle3_pipeline.train_metrics import forward
+    from eagle3_pipeline.train_metrics import Recipe, forward
 
     logits: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
     try:
         with torch.no_grad():
-            value, metrics = forward(model, batch, TTT, 1.0, CPU, None, k, loss)
+            value, metrics = forward(model, batch, Recipe(TTT, 1.0, loss), CPU, None, k)
     finally:
         hook.remove()
     assert len(logits) == TTT

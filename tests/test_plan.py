@@ -236,7 +236,7 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
     from eagle3_pipeline.draft import DraftSpec, build_draft, trainable_names
     from eagle3_pipeline.kernel_policy import resolve
     from eagle3_pipeline.plan import draft_report, memory_per_gpu
-    from eagle3_pipeline.train_metrics import forward
+    from eagle3_pipeline.train_metrics import Recipe, forward
 
     spec = DraftSpec(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=128, intermediate_size=512,
@@ -262,7 +262,7 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
     }  # fmt: skip
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         kern = resolve("sdpa", "eager", "off", torch.device("cpu"), T)  # what the plan assumes on CPU
-        forward(model, batch, S, 1.0, torch.device("cpu"), None, kern)
+        forward(model, batch, Recipe(S, 1.0, "kl_div"), torch.device("cpu"), None, kern)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(v for k, v in saved.items() if k not in weights)
     cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32", attn_impl="sdpa")
