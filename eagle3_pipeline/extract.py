@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import shards, state_dtype, storage
+from eagle3_pipeline import parts, shards, state_dtype, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import EXTRACT_ENGINES, ExtractConfig, provenance
 from eagle3_pipeline.conversations import count_rows
@@ -154,19 +154,10 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             loaded["vllm_version"] = engine.version if engine else vllm_version(cfg.vllm_python)
         settings.update(engine="vllm", vllm_version=loaded["vllm_version"])
 
-    if storage.is_complete(shard) and not cfg.overwrite:
-        log.info("skip: %s is complete (use --overwrite to redo it)", shard)
+    if not parts.open_output(shard, cfg.overwrite, settings):
         return
-    if cfg.overwrite and shard.exists():
-        import shutil
-
-        shutil.rmtree(shard)
-    shard.mkdir(parents=True, exist_ok=True)
-    storage.clear_tmp(shard)
-    storage.pin_run_settings(shard / shards.RUN_FILE, settings)
-
-    blocks = [(b, min(b + cfg.samples_per_file, end)) for b in range(start, end, cfg.samples_per_file)]
-    todo = [(n, b) for n, b in enumerate(blocks) if not (shard / shards.part_info_name(n)).exists()]
+    blocks = parts.blocks(start, end, cfg.samples_per_file)
+    todo = parts.todo(shard, blocks, shards.part_info_name)
     log.info(
         "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
         shard,

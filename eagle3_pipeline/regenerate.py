@@ -25,24 +25,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline import storage
+from eagle3_pipeline import parts, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.config import REGENERATE_ENGINES, RegenerateConfig, provenance
 from eagle3_pipeline.conversations import (
     Conversation,
-    RowRejected,
+    RawRow,
     count_rows,
     normalize_row,
     read_rows,
     render_ids,
 )
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.samples import accepted_rows
 from eagle3_pipeline.verifier import read_text_config
 
 log = logging.getLogger("eagle3.regenerate")
 
 OUTPUT_NAME = "conversations.jsonl"
-RUN_FILE = "run.json"
 
 
 def resolve_engine(name: str, vllm_python: str | None) -> str:
@@ -227,12 +227,6 @@ def run(cfg: RegenerateConfig) -> int:
     if storage.is_complete(out_dir) and not cfg.overwrite:
         log.info("skip: %s is complete (use --overwrite to redo it)", out_dir)
         return 0
-    if cfg.overwrite and out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    storage.clear_tmp(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)
     stop_ids = end_token_ids(verifier_path, tokenizer)
@@ -253,9 +247,9 @@ def run(cfg: RegenerateConfig) -> int:
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
                                          "rows_per_part", "data_split", "chat_template_kwargs")},
     }  # fmt: skip
-    storage.pin_run_settings(out_dir / RUN_FILE, settings)
-    blocks = [(b, min(b + cfg.rows_per_part, total)) for b in range(0, total, cfg.rows_per_part)]
-    todo = [(n, b) for n, b in enumerate(blocks) if not (out_dir / _part(n)).exists()]
+    parts.open_output(out_dir, cfg.overwrite, settings)
+    blocks = parts.blocks(0, total, cfg.rows_per_part)
+    todo = parts.todo(out_dir, blocks, _part)
     log.info(
         "regenerate %s: %d rows, %d parts, %d to do, engine %s",
         data_path,
@@ -272,6 +266,12 @@ def run(cfg: RegenerateConfig) -> int:
     return 0
 
 
+def _conversation(raw: RawRow) -> Conversation:
+    conv = normalize_row(raw.value)
+    conv.row_id = conv.row_id if conv.row_id is not None else f"row-{raw.index}"
+    return conv
+
+
 def _part(n: int) -> str:
     return f"part-{n:05d}.jsonl"
 
@@ -281,20 +281,9 @@ def _run_parts(cfg: RegenerateConfig, out_dir: Path, todo: list, tokenizer: Any,
     t0, done_rows, done_tokens = time.time(), 0, 0
     try:
         for n, (a, b) in todo:
-            rows, rejects = [], []
-            for raw in read_rows(Path(cfg.data_path), a, b, cfg.data_split):
-                try:
-                    if raw.error:
-                        raise RowRejected(raw.error)
-                    conv = normalize_row(raw.value)
-                except RowRejected as e:
-                    rejects.append({"row": raw.index, "reason": str(e)})
-                    continue
-                except Exception as e:  # noqa: BLE001 - no row stops the stage
-                    rejects.append({"row": raw.index, "reason": f"unexpected {type(e).__name__}: {e}"})
-                    continue
-                conv.row_id = conv.row_id if conv.row_id is not None else f"row-{raw.index}"
-                rows.append((raw.index, conv))
+            rejects: list[dict[str, Any]] = []
+            raws = read_rows(Path(cfg.data_path), a, b, cfg.data_split)
+            rows = list(accepted_rows(raws, _conversation, rejects, cfg.data_path))
             out, more = regenerate_rows(rows, tokenizer, generator, cfg)
             rejects += more
             lines = [json.dumps({"rejected": r}) for r in sorted(rejects, key=lambda r: r["row"])]
@@ -318,12 +307,9 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
         for line in (out_dir / _part(n)).read_text().splitlines():
             obj = json.loads(line)
             (rejects.append(obj["rejected"]) if "rejected" in obj else rows.append(line))
-    if len(rows) + len(rejects) != total:
-        raise RuntimeError(f"{out_dir}: {len(rows)} regenerated + {len(rejects)} rejected != {total} rows")
+    parts.check_every_row(out_dir, len(rows), len(rejects), total)
     storage.write_bytes_atomic(out_dir / OUTPUT_NAME, ("\n".join(rows) + "\n").encode() if rows else b"")
-    storage.write_bytes_atomic(
-        out_dir / "rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects).encode()
-    )
+    parts.write_rejects(out_dir, rejects)
     finishes: dict[str, int] = {}
     tokens = 0
     for line in rows:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from eagle3_pipeline.conversations import (
     tokenize_conversation,
 )
 
-log = logging.getLogger("eagle3.extract")  # its warnings are stage 01's (rejected rows)
+log = logging.getLogger("eagle3.samples")  # rejected rows of stages 00 and 01
 
 MAX_REJECTS_LOGGED_PER_PART = 5  # the rest are only in rejects.jsonl (600k rows could flood the log)
 
@@ -321,39 +321,47 @@ def fit_length(units: list[Unit], opts: SampleOptions) -> list[tuple[list[int], 
 # ---- rows in blocks: every row written or rejected (stage 01), token counts (the plan) -----------
 
 
-def block_samples(
-    raws: Iterable[RawRow], tokenizer: Any, opts: SampleOptions, seen: dict[str, int], source: str = ""
-) -> tuple[list[tuple[int, Sample]], list[dict[str, Any]]]:
-    """([(row index, sample)], rejects) of a block of rows. No exception escapes for any row (issue 8):
-    a bad row is a reason in rejects, an unexpected error too (logged with its traceback), so every row
-    is written or rejected. `seen` (sample id -> row) is updated with the accepted samples."""
-    accepted: list[tuple[int, Sample]] = []
-    rejects: list[dict[str, Any]] = []
+def accepted_rows(
+    raws: Iterable[RawRow], build: Callable[[RawRow], Any], rejects: list[dict[str, Any]], source: str = ""
+) -> Iterator[tuple[int, Any]]:
+    """(row index, build(raw)) of every row that builds; no exception escapes for any row (issue 8): a bad
+    row is a reason appended to `rejects`, an unexpected error too (logged with its traceback), so every
+    row is written or rejected. The first MAX_REJECTS_LOGGED_PER_PART rejects are logged."""
     line_note = " (line {})" if source.endswith(".jsonl") else ""
     for raw in raws:
         try:
             if raw.error:
                 raise RowRejected(raw.error)
-            row = row_samples(raw.value, raw.index, tokenizer, opts)
-            for s in row:
-                if s.sample_id in seen:
-                    raise RowRejected(f"duplicate id {s.sample_id!r} (first at row {seen[s.sample_id]})")
-        except Exception as e:  # noqa: BLE001 - no row may stop the shard
+            value = build(raw)
+        except Exception as e:  # noqa: BLE001 - no row may stop the stage
             reason = str(e) if isinstance(e, RowRejected) else f"unexpected {type(e).__name__}: {e}"
             rejects.append({"row": raw.index, "reason": reason})
             if len(rejects) <= MAX_REJECTS_LOGGED_PER_PART:
-                log.warning(
-                    "%s row %d%s: rejected: %s",
-                    source,
-                    raw.index,
-                    line_note.format(raw.index + 1),
-                    reason,
-                    exc_info=not isinstance(e, RowRejected),
-                )
+                log.warning("%s row %d%s: rejected: %s", source, raw.index, line_note.format(raw.index + 1),
+                            reason, exc_info=not isinstance(e, RowRejected))  # fmt: skip
             continue
+        yield raw.index, value
+
+
+def block_samples(
+    raws: Iterable[RawRow], tokenizer: Any, opts: SampleOptions, seen: dict[str, int], source: str = ""
+) -> tuple[list[tuple[int, Sample]], list[dict[str, Any]]]:
+    """([(row index, sample)], rejects) of a block of rows (`accepted_rows`); a sample id seen before is
+    a reject. `seen` (sample id -> row) is updated with the accepted samples."""
+
+    def build(raw: RawRow) -> list[Sample]:
+        row = row_samples(raw.value, raw.index, tokenizer, opts)
+        for s in row:
+            if s.sample_id in seen:
+                raise RowRejected(f"duplicate id {s.sample_id!r} (first at row {seen[s.sample_id]})")
+        return row
+
+    accepted: list[tuple[int, Sample]] = []
+    rejects: list[dict[str, Any]] = []
+    for index, row in accepted_rows(raws, build, rejects, source):
         for s in row:  # a row's samples stay together, in one part
-            seen[s.sample_id] = raw.index
-            accepted.append((raw.index, s))
+            seen[s.sample_id] = index
+            accepted.append((index, s))
     return accepted, rejects
 
 

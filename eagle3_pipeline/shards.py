@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import state_dtype, storage
+from eagle3_pipeline import parts, state_dtype, storage
 from eagle3_pipeline.cli import progress
 from eagle3_pipeline.errors import UserError
 
@@ -30,10 +30,8 @@ log = logging.getLogger("eagle3.shards")
 
 # /2: storage_dtype (fp8 with scales), sha256 per sample (checked when read) and of the token tensors
 SHARD_FORMAT = "eagle3-hidden-states/2"
-RUN_FILE = "run.json"  # the settings a shard was started with; a resume must match them
 TOKEN_KEYS = ("input_ids", "loss_mask", "offsets")  # what stage 02 reads of a part (tokens_sha256)
 MANIFEST_FILE = "manifest.json"  # the finished parts: file, sha256, bytes, tokens_sha256, samples
-REJECTS_FILE = "rejects.jsonl"  # one {"row", "reason"} per rejected input row
 PART_FILE = "part-{n:05d}.safetensors"
 
 # The facts a consumer relies on; they must agree across shards and with what the consumer expects.
@@ -80,7 +78,7 @@ def find_shard_dirs(data_dirs: list[str]) -> list[Path]:
         p = Path(d)
         if not p.is_dir():
             raise UserError(f"{p}: not a folder (--data-dir)")
-        if (p / storage.META_NAME).exists() or (p / RUN_FILE).exists() or p.name.startswith("rows_"):
+        if (p / storage.META_NAME).exists() or (p / parts.RUN_FILE).exists() or p.name.startswith("rows_"):
             out.append(p)
         else:
             found = sorted(q for q in p.iterdir() if q.is_dir() and q.name.startswith("rows_"))
@@ -331,12 +329,9 @@ def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], provenan
             num_tokens += sum(s["num_tokens"] for s in info["samples"])
             num_loss_tokens += sum(s["num_loss_tokens"] for s in info["samples"])
     num_rows = settings["row_range"][1] - settings["row_range"][0]
-    if num_rows_written + len(rejects) != num_rows:  # every input row is written or rejected
-        raise RuntimeError(
-            f"{shard}: {num_rows_written} written + {len(rejects)} rejected != {num_rows} rows"
-        )
+    parts.check_every_row(shard, num_rows_written, len(rejects), num_rows)
     storage.write_json_atomic(shard / MANIFEST_FILE, {"files": files})
-    storage.write_bytes_atomic(shard / REJECTS_FILE, "".join(json.dumps(r) + "\n" for r in rejects).encode())
+    parts.write_rejects(shard, rejects)
     manifest_sha = storage.sha256_file(shard / MANIFEST_FILE)
     meta = {
         **settings,

@@ -145,3 +145,15 @@ def tiny_shards(tiny_verifier, tmp_path_factory) -> dict[str, Path]:
             str(out[f"vocab_{dtype}"]), "--draft-vocab-size", "96",
         )  # fmt: skip
     return out
+
+
+def draft_spec(hidden_size: int, vocab_size: int, draft_vocab_size: int, aux_layer_ids: tuple[int, ...],
+               rms_norm_eps: float = 1e-6, **train: object):  # fmt: skip
+    """The draft a run with these [train] settings builds over a verifier of these sizes: the one
+    constructor the pipeline uses (draft.spec_for_training), so tests cannot drift from it."""
+    from eagle3_pipeline.config import TrainConfig
+    from eagle3_pipeline.draft import spec_for_training
+
+    cfg = TrainConfig(**{"vocab_mapping_dir": "v", "out_dir": "o", **train})
+    verifier = {"hidden_size": hidden_size, "vocab_size": vocab_size, "rms_norm_eps": rms_norm_eps}
+    return spec_for_training(cfg, verifier, draft_vocab_size, aux_layer_ids)

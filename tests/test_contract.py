@@ -7,38 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_script, script
+from conftest import REPO, draft_spec, run_script, script
 from sabotage import SABOTAGES
 
 REFERENCE = REPO.parent / "shared" / "reference" / "aq-medai-kimi-k2-eagle3.config.json"
 
 
 def kimi_spec():
+    """The draft configs/kimi_k25.toml trains over Kimi-K2.5 (hidden 7168, vocab 163840, eps 1e-5)."""
     import tomllib
 
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.draft import DraftSpec
-
-    defaults = TrainConfig(vocab_mapping_dir="v", out_dir="o")
-    train = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["train"]
-    extract = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["extract"]
-    vocab = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())["vocab"]
-    return DraftSpec(
-        hidden_size=7168,
-        num_attention_heads=train["num_attention_heads"],
-        num_key_value_heads=train["num_key_value_heads"],
-        head_dim=train["head_dim"],
-        intermediate_size=train["intermediate_size"],
-        rms_norm_eps=1e-5,
-        rope_theta=train["rope_theta"],
-        max_position_embeddings=train["max_position_embeddings"],
-        vocab_size=163840,
-        draft_vocab_size=vocab["draft_vocab_size"],
-        aux_layer_ids=tuple(extract["aux_layer_ids"]),
-        # the norm flags as the Kimi config trains them (its [train] section, else the stage defaults)
-        **{f: train.get(f, getattr(defaults, f)) for f in ("norm_before_residual", "norm_before_fc",
-                                                            "fc_norm", "norm_output")},
-    )  # fmt: skip
+    kimi = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())
+    aux = tuple(kimi["extract"]["aux_layer_ids"])
+    draft_vocab = kimi["vocab"]["draft_vocab_size"]
+    return draft_spec(7168, 163840, draft_vocab, aux, rms_norm_eps=1e-5, **kimi["train"])
 
 
 def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():

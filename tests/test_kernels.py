@@ -9,26 +9,17 @@ import sys
 
 import pytest
 import torch
+from conftest import draft_spec
 
 from eagle3_pipeline import kernel_policy as kernels
-from eagle3_pipeline.draft import DraftSpec, build_draft
+from eagle3_pipeline.draft import build_draft
 from eagle3_pipeline.errors import UserError
 
 TTT = 3
-SPEC = DraftSpec(
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    intermediate_size=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e4,
-    max_position_embeddings=2048,
-    vocab_size=200,
-    draft_vocab_size=50,
-    aux_layer_ids=(1, 2, 3),
-    norm_before_residual=False,
-)
+PLAIN_NORMS = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False)
+SPEC = draft_spec(64, 200, 50, (1, 2, 3), num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=128, rope_theta=1e4, max_position_embeddings=2048,
+                  **PLAIN_NORMS)  # fmt: skip
 DOC_LENGTHS = (100, 120, 17, 63)  # 300 tokens: four documents, a row that is not a multiple of 128
 CPU = torch.device("cpu")
 SDPA_EAGER = kernels.Kernels("sdpa", "eager", False)

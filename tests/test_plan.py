@@ -8,7 +8,7 @@ import math
 import tomllib
 
 import pytest
-from conftest import CONVERSATIONS, REPO, run_script, script
+from conftest import CONVERSATIONS, REPO, draft_spec, run_script, script
 
 KIMI = REPO / "configs" / "kimi_k25.toml"
 H, V, VD = 7168, 163840, 32000  # Kimi-K2.5 hidden, vocab (contract section 6); draft vocab (kimi_k25.toml)
@@ -233,16 +233,15 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
     import torch
 
     from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.draft import DraftSpec, build_draft, trainable_names
+    from eagle3_pipeline.draft import build_draft, trainable_names
     from eagle3_pipeline.kernel_policy import resolve
     from eagle3_pipeline.plan import draft_report, memory_per_gpu
     from eagle3_pipeline.train_metrics import Recipe, forward
 
-    spec = DraftSpec(
-        hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=128, intermediate_size=512,
-        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096, vocab_size=320,
-        draft_vocab_size=96, aux_layer_ids=(2, 4, 5), norm_before_residual=False,
-    )  # fmt: skip
+    plain = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False)
+    spec = draft_spec(256, 320, 96, (2, 4, 5), num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+                      intermediate_size=512, rope_theta=1e6, max_position_embeddings=4096,
+                      **plain)  # fmt: skip
     T, S = 1024, 3
     torch.manual_seed(0)
     model = build_draft(spec, "sdpa")
@@ -280,12 +279,11 @@ def test_plan_attention_memory_is_what_the_trainers_kernel_policy_resolves_and_c
 
     from eagle3_pipeline import kernel_policy
     from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.draft import spec_for_training
     from eagle3_pipeline.plan import draft_report, memory_per_gpu
 
-    cfg = TrainConfig(batch_tokens=4096, max_seq_len=2048, ttt_steps=4, dtype="bfloat16", attn_impl=attn_impl)
-    verifier = {"hidden_size": 256, "vocab_size": 320, "rms_norm_eps": 1e-6}
-    spec = spec_for_training(cfg, verifier, 96, (1, 2, 3))
+    settings = dict(batch_tokens=4096, max_seq_len=2048, ttt_steps=4, dtype="bfloat16", attn_impl=attn_impl)
+    cfg = TrainConfig(**settings)
+    spec = draft_spec(256, 320, 96, (1, 2, 3), **settings)
     m = memory_per_gpu(spec, draft_report(spec, False), cfg, 8, cuda=cuda)
     device = torch.device("cuda" if cuda else "cpu")
     if attn_impl == "flex" and not cuda:  # the trainer refuses it (no backward on CPU): nothing to compare
