@@ -28,7 +28,7 @@ def open_output(out_dir: Path, overwrite: bool, settings: dict[str, Any]) -> boo
     """Ready `out_dir` to write or resume; False (a logged skip) when it is complete already. Overwrite
     starts over; leftovers of an interrupted write go; the settings are pinned."""
     if storage.is_complete(out_dir) and not overwrite:
-        log.info("skip: %s is complete (use --overwrite to redo it)", out_dir)
+        storage.log_skip(out_dir)
         return False
     if overwrite and out_dir.exists():
         shutil.rmtree(out_dir)

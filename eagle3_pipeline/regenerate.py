@@ -225,7 +225,7 @@ def run(cfg: RegenerateConfig) -> int:
     if not data_path.exists():
         raise UserError(f"{data_path}: data not found (--data-path)")
     if storage.is_complete(out_dir) and not cfg.overwrite:
-        log.info("skip: %s is complete (use --overwrite to redo it)", out_dir)
+        storage.log_skip(out_dir)
         return 0
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)

@@ -48,7 +48,6 @@ def split_samples(
 def run(cfg: SplitConfig) -> int:
     out_dir = Path(cfg.out_dir)
     if not storage.prepare_output_dir(out_dir, cfg.overwrite):
-        log.info("skip: %s is complete (use --overwrite to redo it)", out_dir)
         return 0
     shard_set = open_shards(cfg.data_dir)
     train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -233,17 +234,24 @@ def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
 
 
 def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
-    """True when the stage should run; False (a logged skip upstream) when the output is complete.
+    """True when the stage should run; False (logged: a skip) when the output is complete.
 
     An incomplete folder is removed (single-file stages have nothing worth resuming); a complete one
     stays until `publish_dir` swaps the new output in.
     """
     if out_dir.exists() and is_complete(out_dir):
+        if not overwrite:
+            log_skip(out_dir)
         return overwrite
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return True
+
+
+def log_skip(out_dir: Path) -> None:
+    """The line every stage logs when its output is complete already."""
+    logging.getLogger("eagle3.stage").info("skip: %s is complete (use --overwrite to redo it)", out_dir)
 
 
 def fresh_tmp_dir(out_dir: Path) -> Path:

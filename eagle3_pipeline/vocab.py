@@ -50,7 +50,6 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.
 def run(cfg: VocabConfig) -> int:
     out_dir = Path(cfg.out_dir)
     if not storage.prepare_output_dir(out_dir, cfg.overwrite):
-        log.info("skip: %s is complete (use --overwrite to rebuild it)", out_dir)
         return 0
     shard_set = open_shards(cfg.data_dir)
     vocab_size = shard_set.meta["verifier"]["vocab_size"]
