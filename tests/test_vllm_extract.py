@@ -180,6 +180,6 @@ def test_a_shard_loop_against_one_vllm_server_loads_once_and_writes_the_same_sha
         server_log = server.communicate(timeout=300)[1]
     assert server.returncode == 0, server_log[-2000:]
     assert server_log.count("verifier loaded") == 1
-    assert (out / "vllm-server.log").read_text().count("vllm_worker: engine started") == 1
+    assert (out / "vllm-server.log").read_text().count("eagle3_vllm: engine started") == 1
     assert not (out / "vllm-server.json").exists() and not list(out.glob(".vllm-states-*"))
     assert _tree_bytes(out) == _tree_bytes(vllm_run[0])  # the same shards as one run with its own engine

@@ -1,12 +1,16 @@
-"""Run greedy decoding in vLLM, optionally with an EAGLE-3 draft, and report acceptance counters.
+"""The vLLM worker: token-id generation in vLLM, optionally with an EAGLE-3 draft, acceptance counters,
+and vLLM's extract_hidden_states; run inside vLLM's environment, standard library and vLLM only.
 
-Standalone: run with the vLLM virtualenv's interpreter, never imported by the pipeline.
-It imports only the standard library and vllm, because the pipeline's own dependencies
-are not installed in that environment.
+    <vllm env python> -m eagle3_vllm --session
+    <vllm env python> -m eagle3_vllm --serve 127.0.0.1:0 --request REQ.json
 
-    <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --request REQ.json --out OUT.json
+Session: one engine for many requests (the verifier loads once), rebuilt only when a request's engine
+settings change; each stdin line is {"request": REQ.json, "out": OUT.json} (or {"start": REQ.json}), each
+answer one stdout line (protocol.py). Server: the engine of REQ.json (its prompts may be absent), then
+clients on that address (one at a time) send session lines; a request with other engine settings is
+refused. Stops at SIGTERM.
 
-REQ.json:
+REQ.json (protocol.load_request checks it):
     {"verifier": dir, "draft": dir or null, "prompts": [[token ids], ...],
      "max_new_tokens": int, "num_speculative_tokens": int, "dtype": "float32"}
 Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens + k + 1)),
@@ -15,18 +19,6 @@ Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens
 "ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
 (default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1), "seeds"
 (one sampling seed per prompt; default: "seed" for every prompt).
-
-    <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --session
-
-Session mode keeps one engine for many requests (the verifier loads once): each stdin line is
-{"request": REQ.json, "out": OUT.json}; the answer is one stdout line `@@eagle3 {"out": ...}` or
-`@@eagle3 {"error": ...}`. The engine is rebuilt only when the engine settings change. A line
-{"start": REQ.json} starts the request's engine without running it (answer {"started": seconds}).
-
-    <vllm venv>/bin/python eagle3_pipeline/vllm_worker.py --serve 127.0.0.1:0 --request REQ.json
-
-Server mode: the engine of REQ.json (its prompts may be absent), then clients on that address (one at
-a time) send session lines; a request with other engine settings is refused. Stops at SIGTERM.
 
 Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
 extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
@@ -41,9 +33,9 @@ engines); accepted_per_pos has num_speculative_tokens entries. Without a draft (
 was proposed) the counters are 0, the per-position lists hold zeros and mean_acceptance_length
 is null.
 
-vLLM's logs go to stderr (VLLM_LOGGING_STREAM defaults to stderr here), stdout stays empty.
-On error: exit status 1 and a single line "vllm_worker: error: ..." as the last line on stderr; it
-names the root cause even when that was raised in one of vLLM's engine processes.
+vLLM's logs go to stderr (VLLM_LOGGING_STREAM defaults to stderr here), stdout holds only answers. A
+failed request is an {"error", "root_cause"} answer naming the root cause even when it was raised in one
+of vLLM's engine processes; a server that cannot start prints "eagle3_vllm: error: ..." last on stderr.
 """
 
 from __future__ import annotations
@@ -54,18 +46,14 @@ import json
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
 
-# Run as a script, sys.path[0] is this file's folder, and the package's module names (config, plan,
-# samples, ...) would shadow packages that vLLM and transformers probe for (transformers imports any
-# importable `kernels`); vLLM is imported only below, after this.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+from eagle3_vllm import cpu
+from eagle3_vllm.protocol import MARK, RequestError, engine_key, load_request, write_json_atomic
 
 # vLLM reads these at import time; set them before importing it.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", cpu.KV_CACHE_GIB)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout clean
@@ -76,10 +64,6 @@ METRIC_DRAFTS = "vllm:spec_decode_num_drafts"
 METRIC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 METRIC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 METRIC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-class RequestError(ValueError):
-    """The request file is malformed."""
 
 
 class StderrRelay:
@@ -154,83 +138,6 @@ def root_cause(lines) -> str | None:
     return None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def load_request(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            req = json.load(f)
-    except OSError as e:
-        raise RequestError(f"cannot read request {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise RequestError(f"request {path} is not valid JSON: {e}") from None
-    if not isinstance(req, dict):
-        raise RequestError("request must be a JSON object")
-    task = req.setdefault("task", "generate")
-    if task not in ("generate", "extract"):
-        raise RequestError(f"task {task!r}: use generate or extract")
-    if task == "extract":  # hidden states of the prompts, one token generated
-        req.setdefault("max_new_tokens", 1)
-        layers = req.get("layer_ids")
-        if not isinstance(layers, list) or not layers or not all(_is_int(i) and i >= 0 for i in layers):
-            raise RequestError("layer_ids must be a non-empty list of non-negative ints (extract)")
-        if not isinstance(req.get("storage_path"), str):
-            raise RequestError("storage_path must be a folder path (extract)")
-        if not _is_int(req.get("max_model_len")):
-            raise RequestError("max_model_len must be an int (extract: the longest prompt + 1)")
-        overrides = req.get("engine_overrides", {})
-        if not isinstance(overrides, dict):
-            raise RequestError("engine_overrides must be an object of LLM(...) arguments")
-        req.setdefault("prompts", None)  # none: the engine of a server (--serve), no prompt run
-    for key in ("verifier", "prompts", "max_new_tokens"):
-        if key not in req:
-            raise RequestError(f"request lacks required key {key!r}")
-    if not isinstance(req["verifier"], str) or not os.path.isdir(req["verifier"]):
-        raise RequestError(f"verifier is not a directory: {req['verifier']!r}")
-    draft = req.get("draft")
-    if draft is not None and (not isinstance(draft, str) or not os.path.isdir(draft)):
-        raise RequestError(f"draft is neither null nor a directory: {draft!r}")
-    prompts = req["prompts"]
-    if prompts is None and task == "extract":
-        prompts = []
-    elif not isinstance(prompts, list) or not prompts:
-        raise RequestError("prompts must be a non-empty list of token-id lists")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, list) or not p or not all(_is_int(t) and t >= 0 for t in p):
-            raise RequestError(f"prompts[{i}] must be a non-empty list of non-negative ints")
-    if not _is_int(req["max_new_tokens"]) or req["max_new_tokens"] < 1:
-        raise RequestError("max_new_tokens must be a positive int")
-    k = req.get("num_speculative_tokens", 0 if draft is None else None)
-    if draft is not None and (not _is_int(k) or k < 1):
-        raise RequestError("num_speculative_tokens must be a positive int when a draft is given")
-    req["num_speculative_tokens"] = k if _is_int(k) else 0
-    req.setdefault("dtype", "float32")
-    if not isinstance(req["dtype"], str):
-        raise RequestError("dtype must be a string such as 'float32'")
-    for key in ("max_model_len", "seed", "tensor_parallel_size"):
-        if key in req and req[key] is not None and not _is_int(req[key]):
-            raise RequestError(f"{key} must be an int")
-    for key in ("trust_remote_code", "enforce_eager", "ignore_eos"):
-        if key in req and not isinstance(req[key], bool):
-            raise RequestError(f"{key} must be true or false")
-    stop = req.get("stop_token_ids", [])
-    if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
-        raise RequestError("stop_token_ids must be a list of ints")
-    for key in ("temperature", "top_p"):
-        if key in req and not isinstance(req[key], (int, float)):
-            raise RequestError(f"{key} must be a number")
-    if req.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
-        raise RequestError("draft_sample_method must be 'greedy' or 'probabilistic'")
-    seeds = req.get("seeds")
-    if seeds is not None and (
-        not isinstance(seeds, list) or len(seeds) != len(prompts) or not all(_is_int(x) for x in seeds)
-    ):
-        raise RequestError("seeds must be a list of ints, one per prompt")
-    return req
-
-
 def snapshot_counters(llm) -> dict:
     """Sum the spec-decode counters over all label sets (one per engine)."""
     from vllm.v1.metrics.reader import Counter, Vector
@@ -269,68 +176,6 @@ def counter_delta(before: dict, after: dict, k: int) -> dict:
         "acceptance_rate_per_pos": [c / num_drafts for c in per_pos] if num_drafts else [0.0] * n,
         "mean_acceptance_length": (1.0 + num_accepted / num_drafts) if num_drafts else None,
     }
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    path = os.path.abspath(path)
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".vllm_worker.", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-# Settings only vLLM's CPU build needs, never used on GPUs (DEVELOPERS.md, measured on vllm-cpu 0.32):
-# its CPU rotary custom op is silently wrong for MLA's 3-D q/k, so the native rotary path is used.
-# (The other CPU-only fix, a block size EAGLE-3's attention shares with CPU MLA, is the plugin in
-# scripts/vllm_cpu_plugin, installed by scripts/setup_vllm_cpu.sh.)
-CPU_ONLY_ENGINE_SETTINGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
-ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
-               "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
-               "engine_overrides", "draft_sample_method")  # fmt: skip
-# The CPU build's replacement for vLLM's hidden-states connector (scripts/vllm_cpu_plugin/connector.py)
-CPU_CONNECTOR = {"kv_connector": "CpuHiddenStatesConnector",
-                 "kv_connector_module_path": "eagle3_vllm_cpu.connector"}  # fmt: skip
-
-
-def _text_config(verifier: str) -> dict:
-    try:
-        with open(os.path.join(verifier, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return cfg.get("text_config") or cfg
-
-
-def _has_routed_experts(verifier: str) -> bool:
-    text = _text_config(verifier)
-    if text.get("n_routed_experts") and text.get("first_k_dense_replace", 0) >= text.get(
-        "num_hidden_layers", 1
-    ):
-        return False  # DeepSeek-V3 with every layer dense (the tier's tiny MLA verifier): no MoE kernel runs
-    return bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
-
-
-def cpu_dtype(req: dict) -> str:
-    """CPU build only: its fused-MoE kernel prepacks bfloat16/float16/int8 weights and has no float32 path
-    (vllm-cpu 0.32 `prepack_moe_weight`: "expect weight to be bfloat16, float16, int8, ..."), so an MoE
-    verifier asked for in float32 runs in bfloat16 there."""
-    if req["dtype"] == "float32" and _has_routed_experts(req["verifier"]):
-        print(
-            "vllm_worker: MoE verifier on vLLM's CPU build: bfloat16 (no float32 MoE kernel)", file=sys.stderr
-        )
-        return "bfloat16"
-    return req["dtype"]
 
 
 def engine_kwargs(req: dict) -> dict:
@@ -372,7 +217,7 @@ def engine_kwargs(req: dict) -> dict:
         }
         connector = {"kv_connector": "ExampleHiddenStatesConnector"}
         if current_platform.is_cpu():
-            connector = dict(CPU_CONNECTOR)
+            connector = dict(cpu.CONNECTOR)
         kwargs["kv_transfer_config"] = {
             **connector,
             "kv_role": "kv_producer",
@@ -380,33 +225,12 @@ def engine_kwargs(req: dict) -> dict:
         }
         kwargs["enable_prefix_caching"] = False  # a part's states must not depend on the parts before it
     if current_platform.is_cpu():
-        kwargs.update(CPU_ONLY_ENGINE_SETTINGS, dtype=cpu_dtype(req))
-        if kwargs["dtype"] == "float32" and _text_config(req["verifier"]).get("kv_lora_rank"):
-            # MLA on a CPU with AMX tiles picks AMX_MLA, which packs bfloat16 weights only ("expect weight
-            # to be bfloat16, ..."): the reference CPU_MLA backend runs float32
-            kwargs["attention_config"] = {"backend": "CPU_MLA"}
+        kwargs.update(cpu.ENGINE_SETTINGS, dtype=cpu.cpu_dtype(req))
+        attention = cpu.attention_config(kwargs["dtype"], req["verifier"])
+        if attention is not None:
+            kwargs["attention_config"] = attention
     kwargs.update(req.get("engine_overrides") or {})  # tests: e.g. the negative control's settings
     return kwargs
-
-
-def run(req: dict) -> dict:
-    import logging
-
-    from vllm import LLM
-
-    # Without a tokenizer vLLM logs a traceback for its chat-template warm-up and an "EOS token
-    # id is None" warning; neither matters for token-id prompts with ignore_eos.
-    logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
-
-    kwargs = engine_kwargs(req)
-    seed = kwargs["seed"]
-    t0 = time.perf_counter()
-    llm = LLM(**kwargs)
-    startup_s = time.perf_counter() - t0
-    try:
-        return {**_generate(llm, req, startup_s, seed), "engine_dtype": kwargs["dtype"]}
-    finally:
-        _shutdown(llm)
 
 
 def _shutdown(llm) -> None:
@@ -497,9 +321,6 @@ def _extract(llm, req: dict, params, startup_s: float) -> dict:
     }
 
 
-SESSION_MARK = "@@eagle3 "
-
-
 class Engines:
     """The engine of a session or a server: rebuilt when a request's engine settings change, or, when
     `fixed` (a server), kept and requests with other settings refused."""
@@ -521,7 +342,7 @@ class Engines:
         startup_s = time.perf_counter() - t0
         kw = self.kwargs
         line = f"{req['task']} | {req['verifier']} | {kw['dtype']} | tp {kw['tensor_parallel_size']}"
-        print(f"vllm_worker: engine started | {line} | {startup_s:.1f}s", file=sys.stderr, flush=True)
+        print(f"eagle3_vllm: engine started | {line} | {startup_s:.1f}s", file=sys.stderr, flush=True)
         return startup_s
 
     def answer(self, line: str, relay: StderrRelay) -> dict:
@@ -560,15 +381,13 @@ class Engines:
                 shutil.rmtree(storage["shared_storage_path"], ignore_errors=True)
 
 
-def engine_key(req: dict) -> str:
-    return json.dumps([req.get(k) for k in ENGINE_KEYS])
-
-
 def session() -> int:
     """Many requests, one engine while the engine settings stay the same (see the module docstring)."""
     import logging
 
-    logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)  # as in run()
+    # Without a tokenizer vLLM logs a traceback for its chat-template warm-up and an "EOS token
+    # id is None" warning; neither matters for token-id prompts with ignore_eos.
+    logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
     relay = StderrRelay()
     import vllm  # noqa: F401 - now, while the client prepares its first request
 
@@ -576,7 +395,7 @@ def session() -> int:
     try:
         for line in sys.stdin:
             if line.strip():
-                print(SESSION_MARK + json.dumps(engines.answer(line, relay)), flush=True)
+                print(MARK + json.dumps(engines.answer(line, relay)), flush=True)
     finally:
         engines.close()
         relay.stop()
@@ -602,7 +421,7 @@ def serve(request: str, listen: str) -> int:
         engines = Engines(fixed=load_request(request))
         with socket.create_server((host or "127.0.0.1", int(port))) as server:
             address = "{}:{}".format(*server.getsockname()[:2])
-            print(SESSION_MARK + json.dumps({"listening": address, "pid": os.getpid()}), flush=True)
+            print(MARK + json.dumps({"listening": address, "pid": os.getpid()}), flush=True)
             while True:
                 conn, _ = server.accept()
                 with (
@@ -613,14 +432,14 @@ def serve(request: str, listen: str) -> int:
                     try:
                         for line in rf:
                             if line.strip():
-                                wf.write(SESSION_MARK + json.dumps(engines.answer(line, relay)) + "\n")
+                                wf.write(MARK + json.dumps(engines.answer(line, relay)) + "\n")
                                 wf.flush()
                     except (BrokenPipeError, ConnectionResetError):
                         pass  # the client went away; the next one is served
     except KeyboardInterrupt:
         pass
     except Exception as e:
-        print(f"vllm_worker: error: {' '.join(f'{type(e).__name__}: {e}'.split())[:2000]}"
+        print(f"eagle3_vllm: error: {' '.join(f'{type(e).__name__}: {e}'.split())[:2000]}"
               f" (root cause: {root_cause(relay.lines)})", file=sys.stderr, flush=True)  # fmt: skip
         return 1
     finally:
@@ -631,51 +450,16 @@ def serve(request: str, listen: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--request", help="request JSON file")
-    ap.add_argument("--out", help="output JSON file (written atomically)")
-    ap.add_argument("--session", action="store_true", help="serve requests named on stdin (one engine)")
-    ap.add_argument(
-        "--serve", metavar="HOST:PORT", help="serve clients on this address (the --request's engine)"
-    )
+    ap = argparse.ArgumentParser(prog="python -m eagle3_vllm", description=__doc__.splitlines()[0])
+    ap.add_argument("--session", action="store_true", help="serve request lines on stdin (one engine)")
+    ap.add_argument("--serve", metavar="HOST:PORT", help="serve clients on this address (--request's engine)")
+    ap.add_argument("--request", help="with --serve: the request JSON whose engine the server runs")
     args = ap.parse_args(argv)
-    if args.session:
-        return session()
     if args.serve:
         if not args.request:
             ap.error("--serve needs --request (the engine's settings)")
         return serve(args.request, args.serve)
-    if not (args.request and args.out):
-        ap.error("--request and --out are required (or --session)")
-    try:
-        req = load_request(args.request)
-    except RequestError as e:
-        print(f"vllm_worker: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    relay = StderrRelay()
-    error = None
-    failure = None
-    try:
-        write_json_atomic(args.out, run(req))
-    except KeyboardInterrupt:
-        error = "interrupted"
-    except Exception as e:  # one clear line, whatever vLLM raised
-        failure = e
-    finally:
-        relay.stop()
-    if failure is not None:
-        error = f"{type(failure).__name__}: {failure}"
-        cause = root_cause(relay.lines)
-        if cause and cause not in error:
-            error += f" (root cause: {cause})"
-    if error is not None:
-        error = " ".join(error.split())
-        if len(error) > 2000:
-            error = error[:2000] + "..."
-        print(f"vllm_worker: error: {error}", file=sys.stderr, flush=True)
-        return 130 if error == "interrupted" else 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if args.session:
+        return session()
+    ap.error("--session or --serve")
+    return 2

@@ -1,0 +1,135 @@
+"""How the pipeline and the vLLM worker talk: standard library only, imported from both environments.
+
+A client (eagle3_pipeline/vllm_engine.py) starts `<vLLM env python> -m eagle3_vllm --session` (or a
+server, `--serve HOST:PORT --request REQ.json`, for clients on this machine) and sends one JSON line per
+request: {"request": REQ.json, "out": OUT.json}, or {"start": REQ.json} to start that request's engine
+without running it. Each answer is one line MARK + JSON: {"out": ...}, {"started": seconds}, or
+{"error": ..., "root_cause": ...}. The worker keeps one engine while ENGINE_KEYS stay the same.
+`load_request` is the request's schema (eagle3_vllm/worker.py's docstring lists every key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+MARK = "@@eagle3 "  # the prefix of every answer line on the worker's stdout (vLLM logs to stderr)
+# The settings an engine is built from: a request with other values needs another engine
+ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
+               "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
+               "engine_overrides", "draft_sample_method")  # fmt: skip
+
+
+class RequestError(ValueError):
+    """The request file is malformed."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def load_request(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            req = json.load(f)
+    except OSError as e:
+        raise RequestError(f"cannot read request {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(f"request {path} is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise RequestError("request must be a JSON object")
+    task = req.setdefault("task", "generate")
+    if task not in ("generate", "extract"):
+        raise RequestError(f"task {task!r}: use generate or extract")
+    if task == "extract":  # hidden states of the prompts, one token generated
+        req.setdefault("max_new_tokens", 1)
+        layers = req.get("layer_ids")
+        if not isinstance(layers, list) or not layers or not all(_is_int(i) and i >= 0 for i in layers):
+            raise RequestError("layer_ids must be a non-empty list of non-negative ints (extract)")
+        if not isinstance(req.get("storage_path"), str):
+            raise RequestError("storage_path must be a folder path (extract)")
+        if not _is_int(req.get("max_model_len")):
+            raise RequestError("max_model_len must be an int (extract: the longest prompt + 1)")
+        overrides = req.get("engine_overrides", {})
+        if not isinstance(overrides, dict):
+            raise RequestError("engine_overrides must be an object of LLM(...) arguments")
+        req.setdefault("prompts", None)  # none: the engine of a server (--serve), no prompt run
+    for key in ("verifier", "prompts", "max_new_tokens"):
+        if key not in req:
+            raise RequestError(f"request lacks required key {key!r}")
+    if not isinstance(req["verifier"], str) or not os.path.isdir(req["verifier"]):
+        raise RequestError(f"verifier is not a directory: {req['verifier']!r}")
+    draft = req.get("draft")
+    if draft is not None and (not isinstance(draft, str) or not os.path.isdir(draft)):
+        raise RequestError(f"draft is neither null nor a directory: {draft!r}")
+    prompts = req["prompts"]
+    if prompts is None and task == "extract":
+        prompts = []
+    elif not isinstance(prompts, list) or not prompts:
+        raise RequestError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not p or not all(_is_int(t) and t >= 0 for t in p):
+            raise RequestError(f"prompts[{i}] must be a non-empty list of non-negative ints")
+    if not _is_int(req["max_new_tokens"]) or req["max_new_tokens"] < 1:
+        raise RequestError("max_new_tokens must be a positive int")
+    k = req.get("num_speculative_tokens", 0 if draft is None else None)
+    if draft is not None and (not _is_int(k) or k < 1):
+        raise RequestError("num_speculative_tokens must be a positive int when a draft is given")
+    req["num_speculative_tokens"] = k if _is_int(k) else 0
+    req.setdefault("dtype", "float32")
+    if not isinstance(req["dtype"], str):
+        raise RequestError("dtype must be a string such as 'float32'")
+    for key in ("max_model_len", "seed", "tensor_parallel_size"):
+        if key in req and req[key] is not None and not _is_int(req[key]):
+            raise RequestError(f"{key} must be an int")
+    for key in ("trust_remote_code", "enforce_eager", "ignore_eos"):
+        if key in req and not isinstance(req[key], bool):
+            raise RequestError(f"{key} must be true or false")
+    stop = req.get("stop_token_ids", [])
+    if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
+        raise RequestError("stop_token_ids must be a list of ints")
+    for key in ("temperature", "top_p"):
+        if key in req and not isinstance(req[key], (int, float)):
+            raise RequestError(f"{key} must be a number")
+    if req.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
+        raise RequestError("draft_sample_method must be 'greedy' or 'probabilistic'")
+    seeds = req.get("seeds")
+    if seeds is not None and (
+        not isinstance(seeds, list) or len(seeds) != len(prompts) or not all(_is_int(x) for x in seeds)
+    ):
+        raise RequestError("seeds must be a list of ints, one per prompt")
+    return req
+
+
+def engine_key(req: dict) -> str:
+    return json.dumps([req.get(k) for k in ENGINE_KEYS])
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    path = os.path.abspath(path)
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".eagle3_vllm.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def text_config(verifier: str) -> dict:
+    """The verifier's text config (a multimodal config's text_config); {} when unreadable."""
+    try:
+        with open(os.path.join(verifier, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return cfg.get("text_config") or cfg
