@@ -1,5 +1,7 @@
-"""The vLLM worker: token-id generation in vLLM, optionally with an EAGLE-3 draft, acceptance counters,
-and vLLM's extract_hidden_states; run inside vLLM's environment, standard library and vLLM only.
+"""The vLLM worker: generation with an EAGLE-3 draft (acceptance counters) and hidden-state extraction.
+
+Token ids in, token ids out, optionally with an EAGLE-3 draft, vLLM's acceptance counters, and vLLM's
+extract_hidden_states; run inside vLLM's environment, standard library and vLLM only.
 
     <vllm env python> -m eagle3_vllm --session
     <vllm env python> -m eagle3_vllm --serve 127.0.0.1:0 --request REQ.json
