@@ -296,7 +296,7 @@ class Evaluator:
 
 
 def serve_in_vllm(
-    work: Path, rows: list[dict], evs: dict[str, Evaluator], max_new: int, vllm_ks: list[int]
+    work: Path, rows: list[dict], evs: dict[str, Evaluator], max_new: int, vllm_ks: list[int], settings: list[str]
 ) -> None:
     """The headline rows served in vLLM at every (context, setting, k), one worker session (an engine per
     draft and k; settings and prompts are per request); greedy outputs checked against the engine's plain
@@ -313,7 +313,7 @@ def serve_in_vllm(
             if row.get("ablation"):
                 continue
             row["vllm"] = {}
-            for k, (ctx, cev), st in ((k, c, s) for k in vllm_ks for c in evs.items() for s in SETTINGS):
+            for k, (ctx, cev), st in ((k, c, s) for k in vllm_ks for c in evs.items() for s in settings):
                 if st in PROBABILISTIC or (ctx != "short" and k != K):
                     continue
                 reqs = cev.requests(st)
@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                    help=f"the headline rows to train and serve (default all: {' '.join(HEADLINE)})")
     p.add_argument("--vllm-ks", nargs="+", type=int, default=list(SERVED_KS), choices=SERVED_KS,
                    help="the k served in vLLM (an engine start per draft and k); simulated: every k")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                   help="the serving settings evaluated (thinking_prob is simulated only)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
     p.add_argument("--bf16", action="store_true", help="also the project's recipe on bf16 shards (simulated)")
@@ -438,22 +440,26 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     long = long_prompts(work, a.max_new_tokens)
     evs = {"short": Evaluator(work, prompts, a.max_new_tokens, aux_ids),
            "long": Evaluator(work, long, a.max_new_tokens, aux_ids)}  # fmt: skip
-    grid = [("short", st, k) for st in SETTINGS for k in SERVED_KS] + [("long", st, K) for st in SETTINGS]
+    settings = [st for st in SETTINGS if st in a.settings]
+    grid = [("short", st, k) for st in settings for k in SERVED_KS] + [("long", st, K) for st in settings]
+    done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
             "/ablation" if row.get("ablation") and not row["recipe"].endswith(" shards") else ""
         )
         row["draft"] = str(drafts[key])
         row["sim"], row["greedy"] = {}, None
-        for ctx, st, k in grid if not row.get("ablation") else [("short", st, K) for st in SETTINGS]:
-            row["sim"][setting_key(st, k, ctx)], outputs = evs[ctx].simulate(drafts[key], st, k)
+        for ctx, st, k in grid if not row.get("ablation") else [("short", st, K) for st in settings]:
+            if (row["draft"], ctx, st, k) not in done:
+                done[row["draft"], ctx, st, k] = evs[ctx].simulate(drafts[key], st, k)
+                print(f"sim | {row['recipe']} | {row['data']} | {setting_key(st, k, ctx)} AL "
+                      f"{done[row['draft'], ctx, st, k][0]['mean_acceptance_length']:.3f}", flush=True)  # fmt: skip
+            row["sim"][setting_key(st, k, ctx)], outputs = done[row["draft"], ctx, st, k]
             if st == "greedy" and k == K and ctx == "short":
                 row["greedy"] = outputs
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
-        print(f"sim | {row['recipe']} | {row['data']} | " + " | ".join(
-            f"{sk} AL {r['mean_acceptance_length']:.3f}" for sk, r in row["sim"].items()), flush=True)  # fmt: skip
     if not (a.no_vllm or a.sim_only):
-        serve_in_vllm(work, rows, evs, a.max_new_tokens, a.vllm_ks)
+        serve_in_vllm(work, rows, evs, a.max_new_tokens, a.vllm_ks, settings)
     for row in rows:
         row.pop("greedy")
     report = {
@@ -464,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "long_prompts": {"num": len(long), "tokens": [min(map(len, long)), max(map(len, long))]},
         "max_new_tokens": a.max_new_tokens,
         "served_ks": list(SERVED_KS),
-        "settings": SETTINGS,
+        "settings": {st: SETTINGS[st] for st in settings},
         "samples_per_prompt": SAMPLES_PER_PROMPT,
         "rows": rows,
         "seconds": round(time.time() - t_start),
@@ -483,8 +489,8 @@ def _al(row: dict, engine: str, key: str) -> float | None:
 
 def _print_table(report: dict) -> None:
     print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens")
-    keys = [setting_key(st, k) for st in SETTINGS for k in SERVED_KS]
-    keys += [setting_key(st, K, "long") for st in SETTINGS]
+    keys = [setting_key(st, k) for st in report["settings"] for k in SERVED_KS]
+    keys += [setting_key(st, K, "long") for st in report["settings"]]
     print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")
     print("|---|---|---|" + "---|" * len(keys) + "---|")
     for row in report["rows"]:
