@@ -52,7 +52,7 @@ HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "p
 SETTINGS = {"greedy": {}, "thinking": {"temperature": 1.0, "top_p": 0.95},
             "thinking_prob": {"temperature": 1.0, "top_p": 0.95}}  # fmt: skip
 PROBABILISTIC = {"thinking_prob"}  # settings drafted by sampling the draft (same traces as "thinking")
-SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws)
+SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), unless --samples-per-prompt
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
 SPECULATORS_ROW = "speculators 0.9.0 defaults"
@@ -231,7 +231,8 @@ class Evaluator:
     p~ with request i seeded i, as 06_evaluate does), shared by every draft; sampled drafts also get the
     verify pass over their off-trace drafts (06_evaluate's simulation)."""
 
-    def __init__(self, work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int]):
+    def __init__(self, work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int],
+                 samples_per_prompt: int = SAMPLES_PER_PROMPT):  # fmt: skip
         import torch
 
         from eagle3_pipeline.verifier import (
@@ -243,6 +244,7 @@ class Evaluator:
         )
 
         self.work, self.prompts, self.max_new = work, prompts, max_new
+        self.samples_per_prompt = samples_per_prompt
         facts = verifier_facts(work / "verifier")
         self.model = load_verifier_model(work / "verifier", torch.float32, trust_remote_code=False)
         self.capture = AuxCapture(find_decoder_layers(self.model, facts.num_hidden_layers), aux_ids)
@@ -250,7 +252,7 @@ class Evaluator:
         self.traces: dict[str, tuple[list[list[int]], list[tuple]]] = {}
 
     def requests(self, setting: str) -> list[list[int]]:
-        n = 1 if not SETTINGS[setting] else SAMPLES_PER_PROMPT
+        n = 1 if not SETTINGS[setting] else self.samples_per_prompt
         return [p for p in self.prompts for _ in range(n)]
 
     def sampling(self, setting: str):
@@ -348,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                    help=f"the headline rows to train and serve (default all: {' '.join(HEADLINE)})")
     p.add_argument("--vllm-ks", nargs="+", type=int, default=list(SERVED_KS), choices=SERVED_KS,
                    help="the k served in vLLM (an engine start per draft and k); simulated: every k")
+    p.add_argument("--samples-per-prompt", type=int, default=SAMPLES_PER_PROMPT,
+                   help="seeded sampled requests per held-out prompt at the sampled settings")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
                    help="the serving settings evaluated (thinking_prob is simulated only)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
@@ -438,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "eagle_aux_hidden_state_layer_ids"
     ]
     long = long_prompts(work, a.max_new_tokens)
-    evs = {"short": Evaluator(work, prompts, a.max_new_tokens, aux_ids),
-           "long": Evaluator(work, long, a.max_new_tokens, aux_ids)}  # fmt: skip
+    evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt)
+           for ctx, ps in (("short", prompts), ("long", long))}  # fmt: skip
     settings = [st for st in SETTINGS if st in a.settings]
     grid = [("short", st, k) for st in settings for k in SERVED_KS] + [("long", st, K) for st in settings]
     done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
@@ -471,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "max_new_tokens": a.max_new_tokens,
         "served_ks": list(SERVED_KS),
         "settings": {st: SETTINGS[st] for st in settings},
-        "samples_per_prompt": SAMPLES_PER_PROMPT,
+        "samples_per_prompt": a.samples_per_prompt,
         "rows": rows,
         "seconds": round(time.time() - t_start),
     }
