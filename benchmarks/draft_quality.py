@@ -426,10 +426,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
             name, extra = item
-            if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
-                # the headline run on this data set is the same training: not run twice
-                return name, drafts[f"{'speculators' if name == SPECULATORS_ROW else 'project'}/{a.ablation_data}"]
             run = f"abl{a.ablation_epochs}-" + "".join(c if c.isalnum() else "_" for c in name)
+            if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
+                # the headline run on this data set is the same training: not run twice (its folder is
+                # cached even when this invocation's --headline leaves it out)
+                headline = f"{'speculators' if name == SPECULATORS_ROW else 'project'}/{a.ablation_data}"
+                if headline in drafts:
+                    return name, drafts[headline]
+                run = "speculators" if name == SPECULATORS_ROW else a.project_run
             if name == SPECULATORS_ROW:
                 return name, export(speculators_run(root, run, steps, log, threads), log, threads)
             return name, export(project_train(root, run, steps, extra, log, threads, hidden), log, threads)
