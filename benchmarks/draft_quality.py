@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                    help="the k served in vLLM (an engine start per draft and k); simulated: every k")
     p.add_argument("--samples-per-prompt", type=int, default=SAMPLES_PER_PROMPT,
                    help="seeded sampled requests per held-out prompt at the sampled settings")
+    p.add_argument("--contexts", nargs="+", default=["short", "long"], choices=["short", "long"],
+                   help="the held-out prompt sets evaluated (long: 16 multi-turn prompts of 1.8k-2k tokens)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
                    help="the serving settings evaluated (thinking_prob is simulated only)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
@@ -447,9 +449,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     ]
     long = long_prompts(work, a.max_new_tokens)
     evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt)
-           for ctx, ps in (("short", prompts), ("long", long))}  # fmt: skip
+           for ctx, ps in (("short", prompts), ("long", long)) if ctx in a.contexts}  # fmt: skip
     settings = [st for st in SETTINGS if st in a.settings]
     grid = [("short", st, k) for st in settings for k in SERVED_KS] + [("long", st, K) for st in settings]
+    grid = [g for g in grid if g[0] in a.contexts]
     done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
@@ -475,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "versions": __import__("eagle3_pipeline.storage", fromlist=["versions"]).versions(),
         "verifier": {k: v for k, v in vstats.items() if k != "config"},
         "num_prompts": len(prompts),
+        "contexts": a.contexts,
         "long_prompts": {"num": len(long), "tokens": [min(map(len, long)), max(map(len, long))]},
         "max_new_tokens": a.max_new_tokens,
         "served_ks": list(SERVED_KS),
@@ -498,7 +502,7 @@ def _al(row: dict, engine: str, key: str) -> float | None:
 def _print_table(report: dict) -> None:
     print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens")
     keys = [setting_key(st, k) for st in report["settings"] for k in SERVED_KS]
-    keys += [setting_key(st, K, "long") for st in report["settings"]]
+    keys += [setting_key(st, K, "long") for st in report["settings"] if "long" in report["contexts"]]
     print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")
     print("|---|---|---|" + "---|" * len(keys) + "---|")
     for row in report["rows"]:
