@@ -9,14 +9,12 @@ written or rejected: `check_every_row` refuses to finish otherwise.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import storage
-
-log = logging.getLogger("eagle3.parts")
 
 RUN_FILE = "run.json"  # the settings a resumable output was started with; a resume must match them
 REJECTS_FILE = "rejects.jsonl"  # one {"row", "reason"} per rejected input row
@@ -43,7 +41,7 @@ def blocks(start: int, end: int, rows_per_part: int) -> list[Block]:
     return [(b, min(b + rows_per_part, end)) for b in range(start, end, rows_per_part)]
 
 
-def todo(out_dir: Path, parts: list[Block], done_name: Any) -> list[tuple[int, Block]]:
+def todo(out_dir: Path, parts: list[Block], done_name: Callable[[int], str]) -> list[tuple[int, Block]]:
     """(n, block) of the parts whose file `done_name(n)` is not in out_dir yet."""
     return [(n, b) for n, b in enumerate(parts) if not (out_dir / done_name(n)).exists()]
 

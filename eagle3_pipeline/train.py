@@ -260,11 +260,10 @@ def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: P
     return {
         "stage": "04_train",
         "draft": spec.to_json(),
-        "source": data.shard_set.contract(),
+        **data.shard_set.made_from(),
         "verifier_path": str(verifier_path.resolve()),
         "vocab_mapping_dir": str(Path(cfg.vocab_mapping_dir).resolve()),
         "vocab_mapping_sha256": data.vocab_meta["mapping_sha256"],
-        "shards": [str(s.resolve()) for s in data.shard_set.shards],
         "num_train": len(data.train_refs),
         "num_val": len(data.val_refs),
         "train_lm_head": cfg.train_lm_head,
