@@ -12,15 +12,18 @@
    steps (epochs of packed `batch_tokens` steps), the same tokens per step:
    - `speculators`: speculators' own Trainer and defaults (benchmarks/speculators_baseline.py;
      AdamW in place of Muon on CPU),
-   - `project`: 04_train.py with its defaults (only the benchmark's sizes given).
+   - `project`: 04_train.py with the recipe of the mode the data was regenerated for (`[serving] mode`:
+     greedy on `regenerated`, thinking on `regenerated_t1`), its defaults on `given` (only the
+     benchmark's sizes given).
 4. Both exported by 05_export.py (behind the gate) and served in vLLM's engine (the project's vLLM
    environment, one worker session) on the held-out prompts at each serving setting: greedy (lossless
-   checked) and Kimi-K2.5's thinking mode (temperature 1.0, top_p 0.95, seeded draws), at k = 3 and
-   k = 5 (`--vllm-ks`), with this project's simulation of the same (its predicted AL; sampled: the exact
-   expectation) beside, and simulated with vLLM's probabilistic drafting at the thinking settings
-   (`thinking_prob`). `regenerated_t1` is the given rows regenerated at the thinking settings instead
-   of greedy. Two prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens
-   of held-out multi-turn history before the question; k = 3).
+   checked) and Kimi-K2.5's thinking mode (temperature 1.0, top_p 0.95, seeded draws), drafted by argmax
+   (`thinking`, vLLM's default) and by vLLM's probabilistic drafting (`thinking_prob`), and on request
+   instant mode (0.6 / 0.95, `instant`, `instant_prob`), at k = 3 and k = 5 (`--vllm-ks`), with this
+   project's simulation of the same (its predicted AL; sampled: the exact expectation) beside.
+   `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy. Two
+   prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens of held-out
+   multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
 factor of the project's recipe changed at a time (on the regenerated data).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
@@ -42,16 +45,25 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from eagle3_pipeline.config import SERVED_MODES  # noqa: E402 - after the path
+
 K = 3  # the headline k; SERVED_KS are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5)
 DATASETS = ("given", "regenerated", "regenerated_t1")
 HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
-# latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (simulated only:
-# the tier shows the simulation within noise of vLLM there, README "Sampled acceptance")
+# latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (vLLM does not
+# seed the draft's draws: its counts carry that noise, README "Sampled acceptance")
 SETTINGS = {"greedy": {}, "thinking": {"temperature": 1.0, "top_p": 0.95},
-            "thinking_prob": {"temperature": 1.0, "top_p": 0.95}}  # fmt: skip
-PROBABILISTIC = {"thinking_prob"}  # settings drafted by sampling the draft (same traces as "thinking")
+            "thinking_prob": {"temperature": 1.0, "top_p": 0.95},
+            "instant": {"temperature": 0.6, "top_p": 0.95},
+            "instant_prob": {"temperature": 0.6, "top_p": 0.95}}  # fmt: skip
+# settings drafted by sampling the draft (the same traces as the setting without "_prob")
+PROBABILISTIC = {"thinking_prob", "instant_prob"}
+DEFAULT_SETTINGS = ["greedy", "thinking", "thinking_prob"]
+# The project's headline rows train with the `[serving] mode` recipe of the mode their data was regenerated
+# for (stage 00 at that mode's sampling); the given conversations with 04_train's defaults.
+RECIPE_MODE = {"regenerated": "greedy", "regenerated_t1": "thinking"}
 SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), unless --samples-per-prompt
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
@@ -139,6 +151,13 @@ def planned_steps(root: Path, epochs: int, batch_tokens: int) -> int:
     shard_set = open_shards([str(root / "hidden_states")], verify=False)
     train_refs, _ = load_split(root / "split", shard_set.samples)
     return epochs * len(micro_batches(train_refs, batch_tokens, 1024, 0, 0))
+
+
+def project_recipe(run: str, dataset: str) -> tuple[str, list[str]]:
+    """The project's run folder and flags on `dataset`: its served mode's recipe (RECIPE_MODE), else
+    04_train's defaults; the ablations change one factor from it."""
+    mode = RECIPE_MODE.get(dataset)
+    return (run, []) if mode is None else (f"{run}_{mode}", ["--loss", SERVED_MODES[mode].loss])
 
 
 def project_train(
@@ -265,7 +284,7 @@ class Evaluator:
 
         from eagle3_pipeline.acceptance import trace_length, verifier_trace_with_aux
 
-        key = setting_key("thinking" if setting in PROBABILISTIC else setting, k)  # the requests are the same
+        key = setting_key(setting.removesuffix("_prob"), k)  # the requests are the same
         if key not in self.traces:
             reqs, sampling = self.requests(setting), self.sampling(setting)
             self.traces[key] = reqs, [
@@ -305,22 +324,24 @@ def serve_in_vllm(
     greedy on the short prompts."""
     from eagle3_pipeline.vllm_engine import WorkerSession, sampling_fields
 
-    ev = evs["short"]
+    ev = evs.get("short")
     with WorkerSession(log_path=work / "vllm_worker.log") as session:
         # one max_model_len for both prompt sets (it is part of the worker's engine key)
         base = {"verifier": str(work / "verifier"), "max_new_tokens": max_new,
                 "max_model_len": verifier_positions(work)}  # fmt: skip
-        plain = session.request({**base, "prompts": ev.prompts, "draft": None, "num_speculative_tokens": 0})
+        if ev is not None:
+            plain = session.request({**base, "prompts": ev.prompts, "draft": None, "num_speculative_tokens": 0})
         for row in rows:
             if row.get("ablation"):
                 continue
             row["vllm"] = {}
             for k, (ctx, cev), st in ((k, c, s) for k in vllm_ks for c in evs.items() for s in settings):
-                if st in PROBABILISTIC or (ctx != "short" and k != K):
+                if ctx != "short" and k != K:
                     continue
                 reqs = cev.requests(st)
+                drafting = "probabilistic" if st in PROBABILISTIC else "greedy"
                 res = session.request({**base, "prompts": reqs, "draft": row["draft"],
-                                       "num_speculative_tokens": k,
+                                       "num_speculative_tokens": k, "draft_sample_method": drafting,
                                        **sampling_fields(cev.sampling(st), len(reqs))})  # fmt: skip
                 row["vllm"][setting_key(st, k, ctx)] = {x: v for x, v in res.items() if x != "outputs"}
                 if st == "greedy" and k == K and ctx == "short":
@@ -354,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                    help="seeded sampled requests per held-out prompt at the sampled settings")
     p.add_argument("--contexts", nargs="+", default=["short", "long"], choices=["short", "long"],
                    help="the held-out prompt sets evaluated (long: 16 multi-turn prompts of 1.8k-2k tokens)")
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
-                   help="the serving settings evaluated (thinking_prob is simulated only)")
+    p.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS),
+                   help="serving settings evaluated (*_prob: vLLM's probabilistic drafting; instant: 0.6 / 0.95)")
     p.add_argument("--project-run", default="project", help="run folder name of the project's headline rows")
     p.add_argument("--fp8", action="store_true", help="also the project's recipe on fp8 shards (simulated)")
     p.add_argument("--bf16", action="store_true", help="also the project's recipe on bf16 shards (simulated)")
@@ -404,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             drafts[f"speculators/{ds}"] = export(run, log, a.threads)
             rows.append({"recipe": "speculators", "data": ds, "steps": steps})
         if f"project/{ds}" in a.headline:
-            run = project_train(root, a.project_run, steps, [], log, a.threads, hidden)
+            name, recipe = project_recipe(a.project_run, ds)
+            run = project_train(root, name, steps, recipe, log, a.threads, hidden)
             drafts[f"project/{ds}"] = export(run, log, a.threads)
             rows.append({"recipe": "project", "data": ds, "steps": steps})
     stored = {"fp8": ("float8_e4m3fn", a.fp8), "bf16": ("bfloat16", a.bf16)}  # the recipe on other shards
@@ -428,17 +450,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
             name, extra = item
-            run = f"abl{a.ablation_epochs}-" + "".join(c if c.isalnum() else "_" for c in name)
+            headline_run, recipe = project_recipe(a.project_run, a.ablation_data)
+            run = f"abl{a.ablation_epochs}-{headline_run}-" + "".join(c if c.isalnum() else "_" for c in name)
             if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
                 # the headline run on this data set is the same training: not run twice (its folder is
                 # cached even when this invocation's --headline leaves it out)
                 headline = f"{'speculators' if name == SPECULATORS_ROW else 'project'}/{a.ablation_data}"
                 if headline in drafts:
                     return name, drafts[headline]
-                run = "speculators" if name == SPECULATORS_ROW else a.project_run
+                run = "speculators" if name == SPECULATORS_ROW else headline_run
             if name == SPECULATORS_ROW:
                 return name, export(speculators_run(root, run, steps, log, threads), log, threads)
-            return name, export(project_train(root, run, steps, extra, log, threads, hidden), log, threads)
+            return name, export(project_train(root, run, steps, [*recipe, *extra], log, threads, hidden), log,
+                                threads)  # fmt: skip
 
         with ThreadPoolExecutor(a.jobs) as pool:
             for name, draft in pool.map(one, variants.items()):
@@ -527,7 +551,7 @@ def _print_table(report: dict) -> None:
             eng = "vllm" if _al(by[ours], "vllm", key) is not None else "sim"
             p = _al(by[ours], eng, key)
             against = [(what, _al(by[theirs], eng, key))]
-            if "thinking_prob/" in key:  # theirs also as vLLM serves by default: argmax drafting
+            if "_prob/" in key:  # theirs also as vLLM serves by default: argmax drafting
                 argmax = _al(by[theirs], eng, key.replace("_prob", ""))
                 against.append((what + " (theirs drafted by argmax)", argmax))
             for label, b in against:

@@ -320,8 +320,9 @@ class TrainConfig:
     ttt_step_loss_decay: float = _f(1.0, "Weight of step s is decay**s.", gt=0)
     # Cross-entropy on the verifier's argmax: vLLM's draft proposes its argmax (draft_sample_method "greedy",
     # the default), so a token is accepted when it is the verifier's choice (greedy) or with the verifier's
-    # probability of it (sampling): both reward the draft's top-1 only. Measured +11% AL over KL
-    # (README "Draft quality"); with vLLM's draft_sample_method "probabilistic" use kl_div or lk_hybrid.
+    # probability of it (sampling): both reward the draft's top-1 only. Measured +11% AL over KL greedy
+    # (README "Draft quality"). Drafted probabilistically (what `[serving] mode` thinking and instant set,
+    # with kl_div) the draft's whole distribution is tested: KL there, CE is -18%.
     loss: str = _f(
         "ce",
         "Loss against the verifier over the draft vocab, speculators' names: ce (the verifier's argmax "
@@ -411,6 +412,12 @@ class ExportConfig:
         4, "Stored samples on which the read-back export must reproduce the trained draft's logits.", ge=1
     )
     num_speculative_tokens: int = _f(3, "k in the printed vllm serve line.", ge=1)
+    draft_sample_method: str = _f(
+        "greedy",
+        "draft_sample_method in the printed vllm serve line (06_evaluate.py --draft-sample-method says what "
+        "each does; a [serving] mode sets the one measured best for it).",
+        choices=DRAFT_SAMPLE_METHODS,
+    )
     serve_tensor_parallel_size: int = _f(
         0,
         "--tensor-parallel-size in the printed vllm serve line; 0: the GPUs visible here (at least 1).",
@@ -434,8 +441,8 @@ class EvaluateConfig:
     temperature: float = _f(
         0.0,
         "Sampling temperature of the requests: 0 greedy; Kimi-K2.5 serves thinking mode at 1.0 (top_p 0.95) "
-        "and instant mode at 0.6 (top_p 0.95). vLLM's draft still proposes its argmax; the verifier accepts "
-        "it with its probability of it. The simulation reports the expected acceptance exactly.",
+        "and instant mode at 0.6 (top_p 0.95). Drafting by argmax, the verifier accepts a draft with its "
+        "probability of it; see --draft-sample-method. The simulation reports the expected acceptance exactly.",
         ge=0,
     )
     top_p: float = _f(
@@ -449,7 +456,8 @@ class EvaluateConfig:
         "greedy",
         "vLLM's speculative-config draft_sample_method: greedy (the draft proposes its argmax; vLLM's default) "
         "or probabilistic (drawn from the draft at the request's temperature, no top-p, and accepted with "
-        "probability min(1, p/q)). The simulation follows either; pass the same to vllm serve.",
+        "probability min(1, p/q)). The simulation follows either; pass the same to vllm serve (05_export.py "
+        "prints it). A [serving] mode sets the one measured best for it.",
         choices=DRAFT_SAMPLE_METHODS,
     )
     samples_per_prompt: int = _f(
@@ -560,28 +568,37 @@ def json_object(text: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServedMode:
-    """How requests will be served: the sampling stage 00 regenerates at and stage 06 evaluates at, and
-    the chat-template variables of the prompts (stages 00 and 01)."""
+    """How requests will be served: the sampling stage 00 regenerates at and stage 06 evaluates at, the
+    chat-template variables of the prompts (stages 00 and 01), the loss stage 04 trains with and vLLM's
+    draft_sample_method (stage 05's serve line, stage 06)."""
 
     temperature: float
     top_p: float
     chat_template_kwargs: dict[str, Any]
+    loss: str
+    draft_sample_method: str
 
 
 # `[serving] mode` in a config: Kimi-K2.5's two modes as Moonshot recommends serving them (its API fixes
 # them: thinking 1.0 / top_p 0.95, instant 0.6 / 0.95, `{"thinking": false}` in the template), and greedy
 # (temperature 0) for benchmarks and deterministic tests.
+# The recipe per mode, measured on benchmarks/draft_quality.py (README "Draft quality"): at temperature > 0
+# the draft is served drawing from its distribution (vLLM's draft_sample_method "probabilistic": accepted
+# with min(1, p~/q), ceiling 1 per position where argmax drafting's is p~(argmax)) and trained to match the
+# verifier's distribution; greedy it proposes its argmax, trained with CE on the verifier's argmax.
 SERVED_MODES = {
-    "thinking": ServedMode(1.0, 0.95, {}),
-    "instant": ServedMode(0.6, 0.95, {"thinking": False}),
-    "greedy": ServedMode(0.0, 1.0, {}),
+    "thinking": ServedMode(1.0, 0.95, {}, "kl_div", "probabilistic"),
+    "instant": ServedMode(0.6, 0.95, {"thinking": False}, "kl_div", "probabilistic"),
+    "greedy": ServedMode(0.0, 1.0, {}, "ce", "greedy"),
 }
 # Which stage keys a served mode sets (a key in the stage's own section, or on the command line, wins);
 # evaluate reads the template variables from the shards it was trained on.
 SERVED_MODE_KEYS = {
     "regenerate": ("temperature", "top_p", "chat_template_kwargs"),
     "extract": ("chat_template_kwargs",),
-    "evaluate": ("temperature", "top_p"),
+    "train": ("loss",),
+    "export": ("draft_sample_method",),
+    "evaluate": ("temperature", "top_p", "draft_sample_method"),
 }
 NON_STAGE_SECTIONS = ("run", "serving")  # [run]: what scripts/run_tiny.sh builds; [serving]: SERVED_MODES
 

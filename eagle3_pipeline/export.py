@@ -372,16 +372,25 @@ def needs_remote_code(verifier_path: Path) -> bool:
     return False
 
 
-def serve_line(verifier_path: str, export_dir: Path, k: int, tensor_parallel_size: int = 0) -> str:
+def serve_line(
+    verifier_path: str,
+    export_dir: Path,
+    k: int,
+    tensor_parallel_size: int = 0,
+    draft_sample_method: str = "greedy",
+) -> str:
     """The `vllm serve` command for this export: tensor parallel over the GPUs visible here (or the
-    size given), --trust-remote-code only for a verifier that ships code."""
+    size given), --trust-remote-code only for a verifier that ships code, draft_sample_method only when it
+    is not vLLM's default."""
     if tensor_parallel_size <= 0:
         tensor_parallel_size = max(1, torch.cuda.device_count())
-    spec = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": %d}' % (export_dir.resolve(), k)
+    spec = {"method": "eagle3", "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+    if draft_sample_method != "greedy":
+        spec["draft_sample_method"] = draft_sample_method
     remote = " --trust-remote-code" if needs_remote_code(Path(verifier_path)) else ""
     return (
         f"vllm serve {verifier_path} --tensor-parallel-size {tensor_parallel_size}{remote} \\\n"
-        f"  --speculative-config '{spec}'"
+        f"  --speculative-config '{json.dumps(spec)}'"
     )
 
 
@@ -413,7 +422,13 @@ def run(cfg: ExportConfig) -> int:
         stats["positions"],
     )
     print(
-        serve_line(meta["verifier_path"], out_dir, cfg.num_speculative_tokens, cfg.serve_tensor_parallel_size)
+        serve_line(
+            meta["verifier_path"],
+            out_dir,
+            cfg.num_speculative_tokens,
+            cfg.serve_tensor_parallel_size,
+            cfg.draft_sample_method,
+        )  # fmt: skip
     )
     return 0
 

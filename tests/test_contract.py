@@ -220,5 +220,10 @@ def test_serve_line_fits_the_verifier(tmp_path):
     line = serve_line(str(plain), tmp_path / "draft", 3)
     assert f"vllm serve {plain} --tensor-parallel-size 1 \\" in line  # no GPU here: 1, no remote code
     assert '"num_speculative_tokens": 3' in line and "--trust-remote-code" not in line
-    line = serve_line(str(kimi), tmp_path / "draft", 3, tensor_parallel_size=8)
+    assert "draft_sample_method" not in line  # vLLM's default, argmax drafting
+    draft = tmp_path / "draft"
+    line = serve_line(str(kimi), draft, 3, tensor_parallel_size=8, draft_sample_method="probabilistic")
     assert f"vllm serve {kimi} --tensor-parallel-size 8 --trust-remote-code \\" in line
+    spec = json.loads(line.split("--speculative-config '")[1].rstrip("'"))
+    assert spec == {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": 3,
+                    "draft_sample_method": "probabilistic"}  # fmt: skip

@@ -10,7 +10,14 @@ from kimi_fixture import IDS, build_kimi_tokenizer
 
 from eagle3_pipeline import evaluate
 from eagle3_pipeline.cli import build_parser
-from eagle3_pipeline.config import EvaluateConfig, ExtractConfig, RegenerateConfig, resolve_config
+from eagle3_pipeline.config import (
+    EvaluateConfig,
+    ExportConfig,
+    ExtractConfig,
+    RegenerateConfig,
+    TrainConfig,
+    resolve_config,
+)
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import SampleOptions, row_samples
 
@@ -71,22 +78,28 @@ SERVING_TOML = (
     '[serving]\nmode = "{mode}"\n[regenerate]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n{regen}'
     '[extract]\nverifier_path = "v"\ndata_path = "d"\nout_dir = "o"\n'
     '[evaluate]\ndraft_dir = "x"\ndata_path = "d"\n'
+    '[train]\ndata_dir = ["h"]\nvocab_mapping_dir = "m"\nout_dir = "o"\n'
+    '[export]\ntrain_dir = "t"\nout_dir = "o"\n'
 )
 
 
 @pytest.mark.parametrize(
-    "mode, temperature, top_p, kwargs",
-    [("thinking", 1.0, 0.95, {}), ("instant", 0.6, 0.95, INSTANT), ("greedy", 0.0, 1.0, {})],
-)
-def test_serving_mode_sets_regeneration_prompts_and_evaluation_for_the_mode_served(
-    tmp_path, mode, temperature, top_p, kwargs
+    "mode, temperature, top_p, kwargs, loss, drafting",
+    [("thinking", 1.0, 0.95, {}, "kl_div", "probabilistic"),
+     ("instant", 0.6, 0.95, INSTANT, "kl_div", "probabilistic"),
+     ("greedy", 0.0, 1.0, {}, "ce", "greedy")],
+)  # fmt: skip
+def test_serving_mode_sets_regeneration_prompts_training_serving_and_evaluation_for_the_mode_served(
+    tmp_path, mode, temperature, top_p, kwargs, loss, drafting
 ):
     toml = SERVING_TOML.format(mode=mode, regen="")
     regen = resolve("regenerate", RegenerateConfig, [], tmp_path, toml)
     assert (regen.temperature, regen.top_p, regen.chat_template_kwargs) == (temperature, top_p, kwargs)
     assert resolve("extract", ExtractConfig, [], tmp_path, toml).chat_template_kwargs == kwargs
+    assert resolve("train", TrainConfig, [], tmp_path, toml).loss == loss
+    assert resolve("export", ExportConfig, [], tmp_path, toml).draft_sample_method == drafting
     ev = resolve("evaluate", EvaluateConfig, [], tmp_path, toml)
-    assert (ev.temperature, ev.top_p) == (temperature, top_p)
+    assert (ev.temperature, ev.top_p, ev.draft_sample_method) == (temperature, top_p, drafting)
     assert ev.chat_template_kwargs is None  # evaluation still renders prompts as its shards were extracted
 
 
@@ -199,9 +212,10 @@ def test_evaluate_refuses_shards_with_mixed_template_settings(monkeypatch, kimi_
         run_evaluate(monkeypatch, kimi_dir, draft, data)
 
 
-def test_kimi_config_regenerates_and_evaluates_at_thinking_mode_sampling():
-    """configs/kimi_k25.toml serves thinking mode: stage 00 samples at 1.0 / 0.95 and stage 06 evaluates
-    there, from its one [serving] setting."""
+def test_kimi_config_regenerates_trains_serves_and_evaluates_for_thinking_mode():
+    """configs/kimi_k25.toml serves thinking mode: stage 00 samples at 1.0 / 0.95, stage 04 trains on the
+    verifier's distribution, stage 05 prints a serve line drafting probabilistically and stage 06
+    evaluates there, from its one [serving] setting."""
     from pathlib import Path
 
     kimi = str(Path(__file__).resolve().parent.parent / "configs" / "kimi_k25.toml")
@@ -209,3 +223,6 @@ def test_kimi_config_regenerates_and_evaluates_at_thinking_mode_sampling():
     ev = resolve("evaluate", EvaluateConfig, ["--config", kimi])
     assert (regen.temperature, regen.top_p, ev.temperature, ev.top_p) == (1.0, 0.95, 1.0, 0.95)
     assert resolve("extract", ExtractConfig, ["--config", kimi]).chat_template_kwargs == {}
+    assert resolve("train", TrainConfig, ["--config", kimi]).loss == "kl_div"
+    assert ev.draft_sample_method == "probabilistic"
+    assert resolve("export", ExportConfig, ["--config", kimi]).draft_sample_method == "probabilistic"
