@@ -6,7 +6,8 @@ counts of the data: exact ones from shard manifests when shards exist, else a to
 data rows, else `--plan-tokens-per-row`. The real runs refuse to start when the disk they need exceeds
 the free space (extract._check_free_space, checkpoint.check_space). It also shows what the draft
 costs at serving time: its KV cache per token beside the verifier's, under tensor parallelism and under
-data-parallel attention (kv_cache.py).
+data-parallel attention (kv_cache.py); and whether the trainer fits beside a vLLM server of the verifier
+on the same GPUs, for online states (colocation.py).
 
 Memory per GPU under DDP (every rank holds the whole draft; PyTorch DDP docs) is an estimate from what
 stays alive until backward (activations + mask checked against the tensors autograd saves for a tiny
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline import checkpoint, kv_cache, packing, schedule, state_dtype, storage
+from eagle3_pipeline import checkpoint, colocation, kv_cache, packing, schedule, state_dtype, storage
 from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.config import ExtractConfig, PlanOptions, TrainConfig, load_config_file
 from eagle3_pipeline.conversations import count_rows
@@ -203,6 +204,13 @@ def build(
         if trained_tokens is not None and opts.plan_tokens_per_second
         else None
     )
+    memory = memory_per_gpu(spec, draft, train, opts.plan_gpus)
+    kv = kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus)
+    online = colocation.report(
+        colocation.checkpoint_bytes(verifier_path), kv["tensor_parallel_size"], int(memory["total"]),
+        kv["verifier"]["per_tp_rank"], train.max_seq_len, per_token.get(storage_name, per_token["bfloat16"]),
+        opts.plan_tokens_per_second,
+    )  # fmt: skip
     return {
         "verifier": {
             "path": str(verifier_path),
@@ -226,8 +234,9 @@ def build(
         "storage_dtype": storage_name,
         "free_bytes": storage.free_bytes(disk_dir),
         "gpus": opts.plan_gpus,
-        "memory_per_gpu": memory_per_gpu(spec, draft, train, opts.plan_gpus),
-        "kv_cache": kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus),
+        "memory_per_gpu": memory,
+        "kv_cache": kv,
+        "colocation": online,
         "checkpoints_disk": checkpoint.checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
         "trained_tokens": trained_tokens,
@@ -286,6 +295,7 @@ def render(p: dict[str, Any]) -> str:
         f"{_gb(m['attention_mask_by_impl']['flex'])})"
     )
     lines.extend(kv_cache.render_lines(p["kv_cache"]))
+    lines.extend(colocation.render_lines(p["colocation"]))
     lines.append(f"checkpoints   {_gb(p['checkpoints_disk'])} (keep_last + best + one being written)")
     st = p["steps"]
     if st:

@@ -296,3 +296,44 @@ def test_plan_attention_memory_is_what_the_trainers_kernel_policy_resolves_and_c
     assert m["attention_mask"] == kernel_policy.attention_extra_bytes(resolved, 4096, 4, heads, 2)
     rest = m["total_by_impl"]["sdpa"] - m["attention_mask_by_impl"]["sdpa"]  # the same but for attention
     assert m["total"] - m["attention_mask"] == rest
+
+
+def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_server(
+    kimi_config_only, tmp_path
+):
+    """A Kimi-sized checkpoint (its safetensors index's total_size: 640 GB, 80 GB per GPU at TP 8) beside
+    the trainer of kimi_k25.toml: no room for a 4,096-token prefill's KV cache on an H200, room on a
+    B200; the producers must deliver the trainer's tokens/s of bf16 states."""
+    from eagle3_pipeline import colocation
+
+    weights = 640 * 10**9
+    (kimi_config_only / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": weights}, "weight_map": {}})
+    )
+    out = tmp_path / "plan.json"
+    proc = run_script(
+        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(kimi_config_only),
+        "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second", "200000",
+        "--plan-json", str(out),
+    )  # fmt: skip
+    p = json.loads(out.read_text())
+    c, trainer = p["colocation"], int(p["memory_per_gpu"]["total"])
+    assert c["server_weights_per_gpu"] == weights // 8 and c["trainer_per_gpu"] == trainer
+    kv = 61 * (512 + 64) * 2  # Kimi-K2.5's MLA latent per token, on every TP rank
+    for name, memory in [("H200", 143_771 * 2**20), ("B200", 183_359 * 2**20)]:
+        room = memory - weights // 8 - colocation.SERVER_RESERVE_BYTES - trainer - colocation.MARGIN_BYTES
+        g = c["gpus"][name]
+        assert (g["kv_room"], g["kv_tokens"]) == (room, max(0, room) // kv)
+        utilization = (memory - trainer - colocation.MARGIN_BYTES) / memory
+        assert g["gpu_memory_utilization"] == pytest.approx(utilization)
+    assert c["prefill_tokens"] == 4096  # kimi_k25.toml's [train] max_seq_len
+    assert not c["gpus"]["H200"]["fits"] and c["gpus"]["B200"]["fits"]
+    assert c["producer_bytes_per_second"] == 200_000 * 57_344
+    assert "H200 150.75 GB: KV cache 0 B = 0 tokens: DOES NOT FIT a 4,096-token prefill" in proc.stdout
+    assert "producers     200,000 tokens/s of states keep the trainer busy: 11.47 GB/s" in proc.stdout
+    # a config-only folder: the server's share is unknown, and the plan says so instead of guessing
+    (kimi_config_only / "model.safetensors.index.json").unlink()
+    proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
+                      str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2")  # fmt: skip
+    assert "co-location   ? (the verifier folder has no safetensors" in proc.stdout
+    assert "producers     ? tokens/s of states" in proc.stdout
