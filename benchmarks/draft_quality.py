@@ -54,12 +54,12 @@ HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "p
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
 # latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (vLLM does not
 # seed the draft's draws: its counts carry that noise, README "Sampled acceptance")
-SETTINGS = {"greedy": {}, "thinking": {"temperature": 1.0, "top_p": 0.95},
-            "thinking_prob": {"temperature": 1.0, "top_p": 0.95},
-            "instant": {"temperature": 0.6, "top_p": 0.95},
-            "instant_prob": {"temperature": 0.6, "top_p": 0.95}}  # fmt: skip
-# settings drafted by sampling the draft (the same traces as the setting without "_prob")
-PROBABILISTIC = {"thinking_prob", "instant_prob"}
+# (each sampled mode's requests from SERVED_MODES; "<mode>_prob": the same requests and traces, the draft
+# sampled)
+_SAMPLED = {m: {"temperature": SERVED_MODES[m].temperature, "top_p": SERVED_MODES[m].top_p}
+            for m in ("thinking", "instant")}  # fmt: skip
+SETTINGS = {"greedy": {}, **{f"{m}{x}": v for m, v in _SAMPLED.items() for x in ("", "_prob")}}
+PROBABILISTIC = {st for st in SETTINGS if st.endswith("_prob")}  # settings drafted by sampling the draft
 DEFAULT_SETTINGS = ["greedy", "thinking", "thinking_prob"]
 # The project's headline rows train with the `[serving] mode` recipe of the mode their data was regenerated
 # for (stage 00 at that mode's sampling); the given conversations with 04_train's defaults.

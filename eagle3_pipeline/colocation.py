@@ -2,18 +2,17 @@
 
 Online hidden states (a `vllm serve` of the verifier producing the states while 04_train.py trains) can
 share one node: Kimi-K2.5's INT4 routed experts leave most of each GPU free under tensor parallelism.
-Per GPU, what the server needs is its weights (the checkpoint's bytes over the tensor-parallel size:
-experts, attention and vocabulary are sharded; the few replicated tensors are small), a reserve for its
-activations and CUDA graphs, and KV cache for the tokens it prefills at once (`kv_cache.verifier_kv`:
-the MLA latent is on every rank); the trainer needs `plan.memory_per_gpu`. The server is then started
-with `--gpu-memory-utilization` leaving the trainer its share. The producers must deliver the trainer's
-tokens/s of states, which at Kimi's 4 x 7168 values per token is a bandwidth as well as a compute budget.
+Per GPU, what the server needs is its weights (the checkpoint's bytes, `verifier.weight_bytes`, over the
+tensor-parallel size: experts, attention and vocabulary are sharded; the few replicated tensors are
+small), a reserve for its activations and CUDA graphs, and KV cache for the tokens it prefills at
+once (`kv_cache.verifier_kv`: the MLA latent is on every rank); the trainer needs
+`plan.memory_per_gpu`. The server is then started with `--gpu-memory-utilization` leaving the trainer
+its share. The producers must deliver the trainer's tokens/s of states, which at Kimi's 4 x 7168 values
+per token is a bandwidth as well as a compute budget.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline import storage
@@ -26,21 +25,6 @@ GPU_MEMORY_BYTES = {"H200": 143_771 * MIB, "B200": 183_359 * MIB}
 # assumption (not measured on these GPUs yet): scripts/gpu_check.sh is where to measure it.
 SERVER_RESERVE_BYTES = 8 * 2**30
 MARGIN_BYTES = 2 * 2**30  # left unused between the two processes (allocator fragmentation)
-
-
-def checkpoint_bytes(verifier_path: Path) -> int | None:
-    """The verifier checkpoint's weight bytes: its safetensors index's total_size, else the size of its
-    .safetensors files, else None (a config-only folder)."""
-    index = verifier_path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        except ValueError:
-            total = None
-        if isinstance(total, int) and total > 0:
-            return total
-    files = sorted(verifier_path.glob("*.safetensors"))
-    return sum(f.stat().st_size for f in files) if files else None
 
 
 def report(

@@ -46,7 +46,12 @@ from eagle3_pipeline.conversations import count_rows
 from eagle3_pipeline.draft import DraftSpec, build_draft, spec_for_training, trainable_names
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.samples import sample_lengths
-from eagle3_pipeline.verifier import check_aux_layer_ids, default_aux_layer_ids, read_text_config
+from eagle3_pipeline.verifier import (
+    check_aux_layer_ids,
+    default_aux_layer_ids,
+    read_text_config,
+    weight_bytes,
+)
 
 log = logging.getLogger("eagle3.plan")
 
@@ -207,7 +212,7 @@ def build(
     memory = memory_per_gpu(spec, draft, train, opts.plan_gpus)
     kv = kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus)
     online = colocation.report(
-        colocation.checkpoint_bytes(verifier_path), kv["tensor_parallel_size"], int(memory["total"]),
+        weight_bytes(verifier_path), kv["tensor_parallel_size"], int(memory["total"]),
         kv["verifier"]["per_tp_rank"], train.max_seq_len, per_token.get(storage_name, per_token["bfloat16"]),
         opts.plan_tokens_per_second,
     )  # fmt: skip

@@ -155,9 +155,27 @@ class AuxCapture:
             h.remove()
 
 
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map and total_size
+
+
+def weight_bytes(path: Path) -> int | None:
+    """The checkpoint's weight bytes: its index's total_size, else the size of its .safetensors files,
+    else None (a folder holding config.json only)."""
+    idx = path / INDEX_FILE
+    if idx.is_file():
+        try:
+            total = json.loads(idx.read_text()).get("metadata", {}).get("total_size")
+        except ValueError:
+            total = None
+        if isinstance(total, int) and total > 0:
+            return total
+    files = sorted(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
 def _index(path: Path) -> dict[str, str]:
     """tensor name -> file, from model.safetensors.index.json or the single model.safetensors."""
-    idx = path / "model.safetensors.index.json"
+    idx = path / INDEX_FILE
     if idx.is_file():
         return json.loads(idx.read_text())["weight_map"]
     single = path / "model.safetensors"

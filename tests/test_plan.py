@@ -44,14 +44,20 @@ TRAINABLE = 7168 * 21504 + 3 * 8192 * 14336 + 7168 * 8192 + 3 * 18432 * 7168 + 4
 FROZEN = V * H + VD * H + H  # embed_tokens, verifier_lm_head, verifier_norm
 
 
-def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp_path):
+def kimi_train_plan(verifier, tmp_path):
+    """04_train.py --plan for kimi_k25.toml at the public Kimi drafts' scale (600k rows x 2,000 tokens,
+    200k tokens/s): its stdout and the plan JSON."""
     out = tmp_path / "plan.json"
     proc = run_script(
-        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(kimi_config_only),
+        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier),
         "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second", "200000",
         "--plan-json", str(out),
     )  # fmt: skip
-    p = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp_path):
+    proc, p = kimi_train_plan(kimi_config_only, tmp_path)
     assert TRAINABLE == 961_572_864 + 21_504 + 229_376_000
     assert p["draft"]["trainable_parameters"] == TRAINABLE
     assert p["draft"]["total_parameters"] == TRAINABLE + FROZEN
@@ -310,13 +316,7 @@ def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_s
     (kimi_config_only / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": weights}, "weight_map": {}})
     )
-    out = tmp_path / "plan.json"
-    proc = run_script(
-        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(kimi_config_only),
-        "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second", "200000",
-        "--plan-json", str(out),
-    )  # fmt: skip
-    p = json.loads(out.read_text())
+    proc, p = kimi_train_plan(kimi_config_only, tmp_path)
     c, trainer = p["colocation"], int(p["memory_per_gpu"]["total"])
     assert c["server_weights_per_gpu"] == weights // 8 and c["trainer_per_gpu"] == trainer
     kv = 61 * (512 + 64) * 2  # Kimi-K2.5's MLA latent per token, on every TP rank
