@@ -81,6 +81,7 @@ ABLATIONS: dict[str, list[str]] = {
     "frozen lm_head": ["--no-train-lm-head"],
     "aux-state noise 0.1 x RMS": ["--state-noise", "0.1"],
     "lr 5e-4": ["--lr", "5e-4"],
+    "loss ce (04_train's default)": ["--loss", "ce"],
     "ttt_steps 4": ["--ttt-steps", "4"],
     "loss tv (total variation)": ["--loss", "tv"],
     "ttt_steps 5 (the served k = 5)": ["--ttt-steps", "5", "--served-k", "5"],
