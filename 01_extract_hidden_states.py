@@ -13,6 +13,9 @@ Output:  one shard `<out-dir>/rows_<start>-<end>/` per row range: input_ids, ass
          reason) and meta.json (verifier, layer ids, hidden size, dtype, counts, versions).
 Storage: --storage-dtype float8_e4m3fn halves the disk (28,672 instead of 57,344 bytes per Kimi token,
 plus 16 bytes of float32 scales per sample); later stages read it dequantised. Default: as computed.
+--storage-dtype none writes token shards: the same samples (ids, loss masks, manifest) without states and
+without running the verifier (about 5 bytes per token, seconds per thousand rows), for stage 04's
+online states (`04_train.py --states online`: vLLM computes them while the draft trains).
 Safe to interrupt: parts are written atomically; rerun the same command to finish a shard (finished
 parts are skipped); --overwrite redoes it. A complete shard is a logged skip (exit 0). A full disk is an
 error naming the file and the bytes; a run that would not fit (sampled tokens per row) does not start.
@@ -35,6 +38,9 @@ Examples:
   python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row 0 --end-row 2000   # a client
   # the same shards from one process: the verifier loads once, not once per shard (same bytes)
   python 01_extract_hidden_states.py --config configs/kimi_k25.toml --start-row 0 --end-row 600000 --shard-rows 2000
+  # token shards for online states (no verifier runs)
+  python 01_extract_hidden_states.py --config configs/kimi_k25.toml --storage-dtype none \
+    --out-dir runs/kimi_k25/tokens
   # Kimi-K2.5 in instant mode (the config's default is thinking mode)
   python 01_extract_hidden_states.py --config configs/kimi_k25.toml --chat-template-kwargs '{"thinking":false}'
   # the tiny CI verifier

@@ -20,12 +20,17 @@ checkpoint stops the run with an error naming the file and the bytes (the unfini
 deleted; a rerun resumes from the last complete one); a run whose checkpoints would not fit does not start.
 --plan prints draft shapes, parameters, memory per GPU, steps per epoch and time, and runs nothing
 (the verifier's config.json is enough; token counts from the shards' manifests when they exist).
+Online states (--states online, eagle3_pipeline/online.py): --data-dir holds token shards (stage 01 with
+--storage-dtype none) and running `vllm serve` processes (--servers) compute each sample's states while
+the draft trains; --serve-line prints the command that starts one. Nothing is written but the run
+folder (and --cache-dir, within --cache-gb); a dead server's requests go to the others.
 
 Examples:
   python 04_train.py --config configs/kimi_k25.toml                        # one GPU, bf16
   torchrun --nproc-per-node 8 04_train.py --config configs/kimi_k25.toml   # 8 GPUs, DDP
   python 04_train.py --config configs/tiny.toml                            # CPU smoke, fp32
   python 04_train.py --config configs/kimi_k25.toml --plan --plan-gpus 8 --plan-tokens-per-second 200000
+  python 04_train.py --config configs/kimi_k25.toml --states online --data-dir runs/kimi/tokens --serve-line
 """
 
 import sys
@@ -34,17 +39,31 @@ from eagle3_pipeline.cli import run_stage
 
 
 def main(argv=None) -> int:
-    def body(cfg):
+    def body(cfg_args):
+        cfg, args = cfg_args
+        if args.serve_line:
+            from eagle3_pipeline.online import print_serve_line
+
+            return print_serve_line(cfg)
         from eagle3_pipeline.train import run
 
         return run(cfg)
+
+    def extra_args(parser):
+        parser.add_argument(
+            "--serve-line",
+            action="store_true",
+            help="Print the `vllm serve` command that computes this run's states online (--states online: "
+            "the verifier, layers, dtype, max length and hs_connectors transfer of the token shards in "
+            "--data-dir), and run nothing.",
+        )
 
     def plan(cfg, options, config_path):
         from eagle3_pipeline.plan import plan_train
 
         return plan_train(cfg, options, config_path)
 
-    return run_stage(__doc__, "train", argv, body, plan=plan)
+    return run_stage(__doc__, "train", argv, body, extra_args=extra_args, plan=plan)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def time_project(
 
     model, params = build(s, k, device)
     cfg = TrainConfig()
-    opt, _ = build_optimizer(cfg, params, Plan(1, warmup + steps, 0, 1, 1))
+    opt, _ = build_optimizer(cfg, params, Plan(1, warmup + steps, 0, 1, 1, [warmup + steps]))
     times = []
     for i in range(warmup + steps):
         _sync(device)

@@ -49,7 +49,7 @@ def setup_logging(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level if is_rank0() else "WARNING")
-    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+    for noisy in ("httpx", "openai", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel("WARNING")
 
 
@@ -87,7 +87,7 @@ def run_stage(
         if extra_args is not None:
             cfg = (cfg, args)
         code = body(cfg)
-        if not code:
+        if not code and not getattr(args, "serve_line", False):  # a printed command is the whole output
             hint = next_step(section, cfg, args.config)
             if hint:
                 log.info(hint)

@@ -30,13 +30,16 @@ ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")  # "auto" first: kernel_policy.py
 LOSS_IMPLS = ("auto", "fused", "eager")
 COMPILE_MODES = ("auto", "off", "on")
 FP8 = "float8_e4m3fn"  # the fp8 storage dtype (state_dtype.py)
-STORAGE_DTYPES = ("auto", "bfloat16", "float32", FP8)
+NO_STATES = "none"  # storage dtype of token shards: ids and loss masks only, states come online (stage 04)
+STORAGE_DTYPES = ("auto", "bfloat16", "float32", FP8, NO_STATES)
 EXTRACT_DTYPES = ("auto", "bfloat16", "float16", "float32")  # state_dtype.resolve_dtype
 TRAIN_DTYPES = ("auto", "bfloat16", "float32")  # train._autocast_dtype
 # vLLM's speculative-config draft_sample_method values (vllm/config/speculative.py, DraftSampleMethod)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REGENERATE_ENGINES = ("auto", "vllm", "hf")
 EXTRACT_ENGINES = ("hf", "vllm")
+STATE_SOURCES = ("shards", "online")  # [train] states (online.py)
+TRANSFERS = ("file", "fp8", "mooncake")  # hs_connectors 0.9's backends (transfer.py's registry)
 EVALUATE_ENGINES = ("sim", "vllm", "both")
 # speculators 0.9.0's loss names (losses/utils.py, _EAGER_LOSS_FN_MAP and _FUSED_LOSS_FN_MAP): importing
 # them costs torch and seconds; tests/test_config_checks.py pins this tuple against that file.
@@ -141,6 +144,32 @@ def _loss_problem(spec: str) -> str | None:
     return None
 
 
+def _server_problem(url: str) -> str | None:
+    """Why `url` names no vLLM server (None: it does): http(s)://HOST:PORT, an optional /v1."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path not in (
+        "", "/", "/v1"
+    ):
+        return "must be a server address such as http://10.0.0.5:8000"
+    return None
+
+
+def _shell_words_problem(text: str) -> str | None:
+    import shlex
+
+    try:
+        shlex.split(text)
+    except ValueError as e:
+        return f"must split into options like a shell command line ({e})"
+    return None
+
+
 def _is_weight(w: Any) -> bool:
     if isinstance(w, bool) or not isinstance(w, int | float):
         return False
@@ -241,7 +270,9 @@ class ExtractConfig:
         "auto",
         "How aux/last hidden states are stored: auto (as computed, --dtype), bfloat16, float32, or "
         "float8_e4m3fn with a float32 scale per sample and layer (half the bytes of bfloat16 per "
-        "token; stages 02-05 read it dequantised).",
+        "token; stages 02-05 read it dequantised), or none: no states, the samples' token ids and loss "
+        "masks only (no verifier runs; ~5 bytes/token), for stage 04's online states (`[train] states = "
+        "\"online\"`); stages 02 and 03 read them like any shard.",
         choices=STORAGE_DTYPES,
     )
     trust_remote_code: bool = _f(
@@ -292,9 +323,58 @@ class TrainConfig:
         "Verifier checkpoint (for embed_tokens, final norm, lm_head only); "
         "default: the one recorded in the shards' meta.json.",
     )
-    data_dir: list[str] = _f([], "Hidden-state shard folders (rows_*/) or roots holding them.")
+    data_dir: list[str] = _f(
+        [], "Hidden-state shard folders (rows_*/) or roots holding them; token shards with --states online."
+    )
     split_dir: str | None = _f(None, "Output of 03_split_data.py; default: split here with --val-ratio.")
     vocab_mapping_dir: str | None = _req("Output of 02_build_vocab_mapping.py.")
+    # online states (eagle3_pipeline/online.py; README "Online states")
+    states: str = _f(
+        "shards",
+        "Where the hidden states come from: shards (stage 01 wrote them) or online (running `vllm serve` "
+        "processes compute them while training; --data-dir holds token shards, stage 01 with "
+        "--storage-dtype none). `04_train.py --serve-line` prints the command that starts a server.",
+        choices=STATE_SOURCES,
+    )
+    servers: list[str] = _f(
+        [],
+        "With --states online: the vLLM servers, http://HOST:PORT each; requests spread over them, a "
+        "failed one's go to the others.",
+        check=_server_problem,
+    )
+    transfer: str = _f(
+        "file",
+        "With --states online: hs_connectors' transfer of the states from vLLM to the trainer: file (a "
+        "folder both see: one node, or a shared filesystem), fp8 (file, quantised), mooncake (across "
+        "nodes, no shared filesystem). vLLM's CPU build runs file only.",
+        choices=TRANSFERS,
+    )
+    transfer_args: str = _f(
+        "",
+        "hs_connectors' options for the transfer, as on its command line (one string): e.g. "
+        "\"--hidden-states-path /dev/shm/eagle3\" (file, fp8; default /tmp/hidden_states) or "
+        "\"--mooncake-master 10.0.0.1:50051 --mooncake-protocol rdma\"; on the command line "
+        "--transfer-args='--hidden-states-path /dev/shm/eagle3'.",
+        check=_shell_words_problem,
+    )
+    requests_in_flight: int = _f(
+        8, "With --states online: samples requested at once (over all servers).", ge=1
+    )
+    prefetch_batches: int = _f(
+        4, "With --states online: micro-batches whose states are fetched ahead of the one trained.", ge=0
+    )
+    request_timeout: float = _f(
+        600.0, "With --states online: seconds one sample may take before its server counts as failed.", gt=0
+    )
+    cache_dir: str | None = _f(
+        None, "With --states online: keep fetched states here for later epochs (up to --cache-gb)."
+    )
+    cache_gb: float = _f(0.0, "With --cache-dir: the cache's budget in GB (1e9 bytes); never exceeded.", ge=0)
+    cache_dtype: str = _f(
+        "bfloat16",
+        "With --cache-dir: how cached states are stored: bfloat16, float32, float8_e4m3fn (as stage 01).",
+        choices=tuple(s for s in STORAGE_DTYPES if s not in ("auto", NO_STATES)),
+    )
     out_dir: str | None = _req(
         "Training run folder: checkpoints/, train_log.jsonl, meta.json.", aliases=["--output-dir"]
     )

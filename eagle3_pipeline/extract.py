@@ -3,7 +3,8 @@
 Shard layout (`<out_dir>/rows_<start>-<end>/`):
   part-00000.safetensors  input_ids int32 [N], loss_mask uint8 [N], aux_hidden_states [N, n_aux, H],
                           last_hidden_state [N, H] (pre-final-norm, for the teacher), offsets int64 [n+1],
-                          and with fp8 storage one float32 scale per sample and layer (state_dtype.py)
+                          and with fp8 storage one float32 scale per sample and layer (state_dtype.py);
+                          a token shard (--storage-dtype none) holds no states (stage 04 gets them online)
   part-00000.json         the part's samples (ids, rows, token counts, sha256 of each sample's bytes),
                           rejects, the file's sha256 and the token tensors' sha256; written last, so a
                           part counts only when its .json exists
@@ -81,7 +82,9 @@ def run(cfg: ExtractConfig) -> int:
             from eagle3_pipeline.extract_render import Renderer
 
             loaded["renderer"] = Renderer(cfg)  # starts now: it loads the tokenizer while the verifier loads
-            if cfg.engine == "vllm":  # vLLM starts now too, beside this process's own preparation
+            if cfg.storage_dtype == state_dtype.NO_STATES:  # token shards: no verifier runs
+                loaded["engine"] = NoStates()
+            elif cfg.engine == "vllm":  # vLLM starts now too, beside this process's own preparation
                 loaded["engine"] = _open_engine(cfg, facts, aux_ids, state_dtype.resolve_dtype(cfg.dtype))
         for a, b in ranges:
             # each shard records the settings of its own single-shard run, so both ways write the same bytes
@@ -94,6 +97,18 @@ def run(cfg: ExtractConfig) -> int:
         if "renderer" in loaded:
             loaded["renderer"].close()
     return 0
+
+
+class NoStates:
+    """The engine of token shards (storage dtype "none"): no states, nothing loaded."""
+
+    dtype = None
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def __call__(self, sequences: list[list[int]]) -> list[tuple[None, None]]:
+        return [(None, None)] * len(sequences)
 
 
 class HfStates:
@@ -146,7 +161,8 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
     }
     if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
         settings["fp8_scales"] = state_dtype.FP8_SCALES
-    if cfg.engine == "vllm":  # (an hf shard's settings are those of the shards written before engines)
+    # (an hf shard's settings are those of the shards written before engines; a token shard has no engine)
+    if cfg.engine == "vllm" and storage_dtype != state_dtype.NO_STATES:
         from eagle3_pipeline.extract_vllm import vllm_version
 
         if "vllm_version" not in loaded:  # the server's when its client
@@ -273,8 +289,9 @@ def _store_part(
         stored = {
             "input_ids": torch.tensor(ids, dtype=torch.int32),
             "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-            **state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype),
         }
+        if aux is not None:
+            stored.update(state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype))
         for k, v in stored.items():
             tensors.setdefault(k, []).append(v)
         info = {"id": smp.sample_id, "row": row, "num_tokens": len(ids)}

@@ -161,7 +161,7 @@ def steps(cfg: TrainConfig, tokens: Tokens, gpus: int, micro_batches: int | None
             row = max(1, min(int(tokens.tokens_per_row), cfg.max_seq_len))
             micro_batches = max(1, math.ceil(train_rows / max(1, cfg.batch_tokens // row)))
     per_epoch = schedule.steps_per_epoch(micro_batches, gpus, cfg.grad_accum)  # what train.plan_run runs
-    total = schedule.total_steps(per_epoch, cfg.epochs, cfg.max_steps)
+    total = schedule.total_steps([per_epoch] * cfg.epochs, cfg.max_steps)  # each epoch as the first
     return {"micro_batches_per_epoch": micro_batches, "steps_per_epoch": per_epoch, "total_steps": total}
 
 
@@ -189,8 +189,10 @@ def build(
                 "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6))}  # fmt: skip
     spec = spec_for_training(train, verifier, draft_vocab_size, aux)
     draft = draft_report(spec, train.train_lm_head)
-    per_token = {dt: state_dtype.bytes_per_token(dt, len(aux), H) for dt in PLAN_DTYPES}
-    per_sample = {dt: state_dtype.bytes_per_sample(dt, len(aux)) for dt in PLAN_DTYPES}
+    # token shards (online states): the ids and masks only, planned when the run stores no states
+    dtypes = (*PLAN_DTYPES, *((storage_name,) if storage_name == state_dtype.NO_STATES else ()))
+    per_token = {dt: state_dtype.bytes_per_token(dt, len(aux), H) for dt in dtypes}
+    per_sample = {dt: state_dtype.bytes_per_sample(dt, len(aux)) for dt in dtypes}
     total_tokens = tokens.total
     disk = {  # a row gives one sample unless it has several assistant turns: rows stand for samples
         dt: None

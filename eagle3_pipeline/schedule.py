@@ -20,9 +20,10 @@ def steps_per_epoch(micro_batches: int, world_size: int, grad_accum: int) -> int
     return max(1, micro_batches // (world_size * grad_accum))
 
 
-def total_steps(per_epoch: int, epochs: int, max_steps: int | None) -> int:
-    """max_steps when given (beyond what the epochs allow it keeps cycling over the data), else epochs."""
-    return per_epoch * epochs if max_steps is None else max_steps
+def total_steps(epoch_steps: list[int], max_steps: int | None) -> int:
+    """max_steps when given (beyond what the epochs allow it keeps cycling over the data), else the steps
+    of the epochs (each packs its own shuffle, so their step counts may differ by a step or two)."""
+    return sum(epoch_steps) if max_steps is None else max_steps
 
 
 def warmup_steps_for(total_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:

@@ -163,13 +163,10 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
     from safetensors import safe_open
 
     n_tok, n_aux, hidden = sum(num_tokens), len(meta["aux_layer_ids"]), meta["hidden_size"]
-    want = {
-        "input_ids": [n_tok],
-        "loss_mask": [n_tok],
-        "aux_hidden_states": [n_tok, n_aux, hidden],
-        "last_hidden_state": [n_tok, hidden],
-        "offsets": [len(num_tokens) + 1],
-    }
+    want = {"input_ids": [n_tok], "loss_mask": [n_tok], "offsets": [len(num_tokens) + 1]}
+    states = has_states(meta)
+    if states:
+        want.update(aux_hidden_states=[n_tok, n_aux, hidden], last_hidden_state=[n_tok, hidden])
     if meta["storage_dtype"] == state_dtype.FP8:
         per_sample = meta.get("fp8_scales") == state_dtype.FP8_SCALES
         suffix, rows = (
@@ -187,7 +184,7 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
                     f"{path}: {name} has shape {list(got)}, meta.json and manifest.json say "
                     f"{shape}; re-extract the shard with --overwrite"
                 )
-        for name in ("aux_hidden_states", "last_hidden_state"):
+        for name in state_dtype.STATE_KEYS if states else ():
             dtype = f.get_slice(name).get_dtype()
             stored = meta["storage_dtype"]
             if dtype != _SAFETENSORS_DTYPE.get(stored, stored):
@@ -195,6 +192,11 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
         lengths = (f.get_tensor("offsets").diff()).tolist()
         if lengths != num_tokens:
             raise UserError(f"{path}: sample lengths {lengths} differ from manifest.json's {num_tokens}")
+
+
+def has_states(meta: dict[str, Any]) -> bool:
+    """Whether the shard stores hidden states (a token shard, storage dtype "none", does not)."""
+    return meta["storage_dtype"] != state_dtype.NO_STATES
 
 
 def _check_same(shard: Path, meta: dict[str, Any], ref: dict[str, Any], ref_name: str) -> None:

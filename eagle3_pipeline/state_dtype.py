@@ -12,14 +12,15 @@ subnormals (absolute step 2^-9 of the scale). Stored tensors in a part file of n
   aux_hidden_states_sample_scale [n, n_aux], last_hidden_state_sample_scale [n]    (float32, fp8 only)
 Shards written before per-sample scales (meta.json without "fp8_scales") hold per-token scales
 `<key>_scale` [N, n_aux] / [N]; they still load. The loader (`decode`) hands stages 02-05 float32
-tensors, so nothing after stage 01 sees fp8.
+tensors, so nothing after stage 01 sees fp8. Token shards (storage dtype "none") store no states at all:
+stage 04 asks vLLM for them while it trains (online.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from eagle3_pipeline.config import EXTRACT_DTYPES, FP8, STORAGE_DTYPES  # the choices, owned there
+from eagle3_pipeline.config import EXTRACT_DTYPES, FP8, NO_STATES, STORAGE_DTYPES  # the choices, owned there
 from eagle3_pipeline.errors import UserError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec, E4M3: S.1111.110 = 448)
@@ -28,7 +29,7 @@ SCALE_BYTES = 4  # float32 scale per sample and stored layer
 STATE_KEYS = ("aux_hidden_states", "last_hidden_state")
 SAMPLE_SCALE = "_sample_scale"  # suffix of the per-sample scale tensors (indexed by sample, not token)
 TOKEN_SCALE = "_scale"  # suffix of the per-token scales of older shards
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, FP8: 1}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, FP8: 1, NO_STATES: 0}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -59,6 +60,8 @@ def bytes_per_sample(storage_dtype: str, num_aux_layers: int) -> int:
 
 def encode(aux: torch.Tensor, last: torch.Tensor, storage_dtype: str) -> dict[str, torch.Tensor]:
     """One sample's aux [T, n_aux, H] and last [T, H] -> the tensors written for them (scales [1, ...])."""
+    if storage_dtype == NO_STATES:
+        return {}
     if storage_dtype != FP8:
         dt = getattr(torch, storage_dtype)
         return {"aux_hidden_states": aux.to(dt), "last_hidden_state": last.to(dt)}
@@ -95,4 +98,6 @@ def is_per_sample(key: str) -> bool:
 
 def stored_keys(storage_dtype: str) -> tuple[str, ...]:
     """Hidden-state tensors in a part file written now for this storage dtype."""
+    if storage_dtype == NO_STATES:
+        return ()
     return (*STATE_KEYS, *(k + SAMPLE_SCALE for k in STATE_KEYS)) if storage_dtype == FP8 else STATE_KEYS

@@ -8,6 +8,8 @@ the loss and validation metrics in train_metrics.py, torchrun plumbing in distri
 of attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
 `ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
+With `states = "online"` the micro-batches are the same, their states asked of `vllm serve` processes
+while training (online.py) instead of read from shards.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from eagle3_pipeline.draft import (
     trainable_names,
 )
 from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.online import NoServerLeft
 from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
-from eagle3_pipeline.shards import SampleRef, ShardSet, open_shards
+from eagle3_pipeline.shards import SampleRef, ShardSet, has_states, open_shards
 from eagle3_pipeline.split import load_split, split_samples
 from eagle3_pipeline.train_metrics import (
     Recipe,
@@ -69,11 +72,18 @@ class RunData:
 class Plan:
     """How long the run is and how often it validates and saves, resolved from the config."""
 
-    steps_per_epoch: int
+    steps_per_epoch: int  # the first epoch's (each epoch packs its own shuffle: see epoch_steps)
     total_steps: int
     warmup_steps: int
     eval_every: int
     save_every: int
+    epoch_steps: list[int]  # optimizer steps of each of the config's epochs: every micro-batch once
+
+
+def steps_of_epoch(cfg: TrainConfig, refs: list[SampleRef], dist: Dist, epoch: int) -> int:
+    """Optimizer steps of one epoch: its shuffle packed, shared by the ranks, grad_accum per step."""
+    batches = len(micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch))
+    return schedule.steps_per_epoch(batches, dist.world, cfg.grad_accum)
 
 
 @dataclass
@@ -87,6 +97,11 @@ def open_data(cfg: TrainConfig) -> RunData:
     expect = {**vocab_meta["source"], "_source": f"{cfg.vocab_mapping_dir}/meta.json"}
     expect["verifier"] = {k: v for k, v in expect["verifier"].items() if k != "path"}
     shard_set = open_shards(cfg.data_dir, expect=expect)
+    if cfg.states == "shards" and not has_states(shard_set.meta):
+        raise UserError(
+            f"{shard_set.shards[0]}: a token shard (stage 01 --storage-dtype none: no hidden states); train "
+            'on it with --states online and running vLLM servers (--servers), or extract states into shards'
+        )
     if cfg.split_dir:
         train_refs, val_refs = load_split(Path(cfg.split_dir), shard_set.samples)
     else:
@@ -165,11 +180,11 @@ def build_model(
 
 
 def plan_run(cfg: TrainConfig, data: RunData, dist: Dist) -> Plan:
-    batches = len(micro_batches(data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
-    per_rank = schedule.steps_per_epoch(batches, dist.world, cfg.grad_accum)
-    total = schedule.total_steps(per_rank, cfg.epochs, cfg.max_steps)
+    epoch_steps = [steps_of_epoch(cfg, data.train_refs, dist, e) for e in range(cfg.epochs)]
+    total = schedule.total_steps(epoch_steps, cfg.max_steps)
     return Plan(
-        steps_per_epoch=per_rank,
+        steps_per_epoch=epoch_steps[0],
+        epoch_steps=epoch_steps,
         total_steps=total,
         warmup_steps=schedule.warmup_steps_for(total, cfg.warmup_ratio, cfg.warmup_steps),
         eval_every=schedule.every_for(total, cfg.eval_every),
@@ -271,6 +286,8 @@ def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: P
         "recipe": recipe_of(cfg),
         "plan": vars(plan),
         "kernels": kern.to_json(),
+        "states": {"source": cfg.states, **({"servers": cfg.servers, "transfer": cfg.transfer}
+                                            if cfg.states == "online" else {})},
     }
 
 
@@ -311,6 +328,11 @@ class TrainLoop:
     tracker: trackers.Trackers = field(default_factory=trackers.Trackers)
 
     def __post_init__(self) -> None:
+        self.online = None
+        if self.cfg.states == "online":
+            from eagle3_pipeline.online import OnlineSource
+
+            self.online = OnlineSource(self.cfg, self.data.shard_set.meta, Path(self.cfg.out_dir))
         self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
         self.recipe = Recipe.of(self.cfg)
         self.checkpoints = checkpoint.Checkpointer(
@@ -320,10 +342,13 @@ class TrainLoop:
         )  # fmt: skip
         self.val_loader = self._loader(
             rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,
-                                     self.cfg.seed, 0), self.dist)
+                                     self.cfg.seed, 0), self.dist), "validation"
         )  # fmt: skip
 
-    def _loader(self, batches: list[list[SampleRef]]) -> Any:
+    def _loader(self, batches: list[list[SampleRef]], label: str) -> Any:
+        """The packed micro-batches: read from the shards (DataLoader workers), or online (online.py)."""
+        if self.online is not None:
+            return self.online.batches(batches, label)
         return _Checked(
             torch.utils.data.DataLoader(
                 BatchDataset(batches, self.cfg.max_seq_len, self.cfg.loss_on_all_tokens),
@@ -345,18 +370,26 @@ class TrainLoop:
             self.kern,
         )
 
-    def epoch_batches(self, step: int) -> tuple[int, int, Any]:
-        """(epoch, position in it, iterator over the rest of its micro-batches) for a global step."""
-        epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
-        cfg = self.cfg
+    def steps_in(self, epoch: int) -> int:
+        """Optimizer steps of an epoch (past the config's epochs when max_steps cycles on)."""
+        steps = self.plan.epoch_steps
+        while len(steps) <= epoch:
+            steps.append(steps_of_epoch(self.cfg, self.data.train_refs, self.dist, len(steps)))
+        return steps[epoch]
+
+    def epoch_batches(self, step: int) -> tuple[int, int, int, Any]:
+        """(epoch, position in it, its steps, iterator over the rest of its micro-batches) for a global
+        step. Each epoch trains each of its micro-batches once (the remainder of ranks x grad_accum aside)."""
+        epoch, in_epoch = 0, step
+        while in_epoch >= self.steps_in(epoch):
+            in_epoch -= self.steps_in(epoch)
+            epoch += 1
+        cfg, steps = self.cfg, self.steps_in(epoch)
         batches = rank_slice(
             micro_batches(self.data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch), self.dist
         )
-        take = [
-            batches[i % len(batches)]
-            for i in range(in_epoch * cfg.grad_accum, self.plan.steps_per_epoch * cfg.grad_accum)
-        ]
-        return epoch, in_epoch, iter(self._loader(take))
+        take = [batches[i % len(batches)] for i in range(in_epoch * cfg.grad_accum, steps * cfg.grad_accum)]
+        return epoch, in_epoch, steps, iter(self._loader(take, f"epoch {epoch}"))
 
     def optimizer_step(self, it: Any, sums: dict[str, float], step: int) -> tuple[float, int]:
         """grad_accum micro-batches, clip, step; (gradient norm, tokens seen by all ranks)."""
@@ -391,8 +424,8 @@ class TrainLoop:
         self.ddp_model.train()
         try:
             while prog.step < plan.total_steps:
-                epoch, in_epoch, it = self.epoch_batches(prog.step)
-                while prog.step < plan.total_steps and in_epoch < plan.steps_per_epoch:
+                epoch, in_epoch, steps, it = self.epoch_batches(prog.step)
+                while prog.step < plan.total_steps and in_epoch < steps:
                     grad_norm, tokens = self.optimizer_step(it, meter.sums, prog.step)
                     prog.step += 1
                     in_epoch += 1
@@ -407,6 +440,11 @@ class TrainLoop:
                             prog.step,
                         )
                         return EXIT_INTERRUPTED
+        except NoServerLeft:  # online states: keep the steps done; the same command resumes from here
+            if prog.step:
+                self.checkpoints.save(prog.step, prog.history, None)
+                log.warning("checkpoint saved at step %d", prog.step)
+            raise
         finally:
             bar.close()
         return 0

@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import math
+import shlex
 import subprocess
 import sys
 import typing
@@ -42,7 +43,7 @@ BOUND_KEYS = ("ge", "gt", "le", "lt")
 # Strings that name a path, a dataset split or a checkpoint: any text parses; they are checked when used.
 FREE_TEXT = {
     "verifier_path", "data_path", "data_split", "out_dir", "vllm_python", "data_dir", "split_dir",
-    "vocab_mapping_dir", "train_dir", "checkpoint", "draft_dir", "plan_json",
+    "vocab_mapping_dir", "train_dir", "checkpoint", "draft_dir", "plan_json", "cache_dir",
 }  # fmt: skip
 EXAMPLES = settings(
     max_examples=8,  # per field and property: 354 cases in about 15 s on a busy 2-core machine
@@ -177,6 +178,21 @@ def _outside(meta: Any, tp: type) -> st.SearchStrategy[Any]:
     if tp is float:
         sides.append(st.sampled_from([math.nan, math.inf, -math.inf]))
     return st.one_of(sides)
+
+
+_loss_names = st.sampled_from(LOSS_NAMES)
+_loss_weights = st.dictionaries(_loss_names, st.floats(0, 1e6) | st.integers(0, 10**6), min_size=1)
+# values accepted by the fields with a `check`, one strategy per field
+CHECKED_VALUES = {
+    # a loss name, or JSON weights >= 0 not all 0
+    "loss": _loss_names | _loss_weights.filter(lambda w: any(v > 0 for v in w.values())).map(json.dumps),
+    "servers": st.builds("{}://{}:{}{}".format, st.sampled_from(["http", "https"]),
+                         st.sampled_from(["127.0.0.1", "node-3", "10.0.0.5"]), st.integers(1, 65535),
+                         st.sampled_from(["", "/v1"])),  # fmt: skip
+    "transfer_args": st.lists(st.from_regex(r"[A-Za-z0-9_./-]{1,12}", fullmatch=True), max_size=4).map(
+        shlex.join
+    ),
+}
 
 
 def _inside(meta: Any, tp: type) -> st.SearchStrategy[Any]:
@@ -333,10 +349,9 @@ def test_a_number_outside_its_range_is_refused_naming_the_flag(section, name, da
 @given(data=st.data())
 def test_a_value_inside_its_range_or_choices_resolves_to_itself(section, name, data, tmp):
     meta, (tp, is_list) = _meta(section, name), _type(CLASSES[section], name)
-    if "check" in meta:  # the loss: a name, or JSON weights >= 0 not all 0
-        names = st.sampled_from(LOSS_NAMES)
-        weights = st.dictionaries(names, st.floats(0, 1e6) | st.integers(0, 10**6), min_size=1)
-        value = data.draw(names | weights.filter(lambda w: any(v > 0 for v in w.values())).map(json.dumps))
+    if "check" in meta:
+        values = CHECKED_VALUES[name]
+        value = data.draw(st.lists(values, min_size=1, max_size=3) if is_list else values)
     else:
         inside = _inside(meta, tp)
         value = data.draw(st.lists(inside, min_size=1, max_size=3) if is_list else inside)
@@ -428,3 +443,13 @@ def test_a_config_file_value_of_the_wrong_type_is_refused_naming_key_and_flag(se
     value = data.draw(_wrong_type(tp, is_list))
     message = _refusal(section, [], f"{name} = {_toml(value)}", tmp)
     assert f"[{section}] {name} = " in message and f"({_flag(name)})" in message, message
+
+
+@pytest.mark.parametrize(
+    "flag, value, why",
+    [("--servers", "localhost", "server address"), ("--servers", "http://h:8000/x", "server address"),
+     ("--transfer-args", "--hidden-states-path 'unclosed", "shell command line")],
+)  # fmt: skip
+def test_a_server_without_scheme_and_port_or_unsplittable_transfer_args_are_refused(flag, value, why):
+    message = _refusal("train", [f"{flag}={value}"])
+    assert flag in message and why in message, message
