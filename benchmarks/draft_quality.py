@@ -85,6 +85,10 @@ ABLATIONS: dict[str, list[str]] = {
     "ttt_steps 4": ["--ttt-steps", "4"],
     "loss tv (total variation)": ["--loss", "tv"],
     "ttt_steps 5 (the served k = 5)": ["--ttt-steps", "5", "--served-k", "5"],
+    # the loss against the distribution vLLM samples from (thinking: temperature 1.0, top-p 0.95)
+    "served target (loss top-p 0.95)": ["--loss-top-p", "0.95"],
+    "served target, loss tv (1 - sum min(p~, q): the acceptance rate itself)": ["--loss-top-p", "0.95",
+                                                                              "--loss", "tv"],
 }  # fmt: skip
 
 

@@ -73,11 +73,13 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """p~: softmax of logits / temperature after top-k and top-p, as vLLM's `apply_top_k_top_p`
-        (ascending sort; top-p drops the tokens whose cumulative mass from the bottom is <= 1 - top_p,
-        always keeping the most likely one). logits: [..., V] -> probabilities [..., V], float32."""
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of p~: logits / temperature, -inf where top-k or top-p drop a token, as vLLM's
+        `apply_top_k_top_p` (ascending sort; top-p drops the tokens whose cumulative mass from the bottom
+        is <= 1 - top_p, always keeping the most likely one). [..., V] -> [..., V], float32."""
         x = logits.float() / self.temperature
+        if self.top_p >= 1.0 and not 0 < self.top_k < x.shape[-1]:
+            return x
         srt, idx = x.sort(dim=-1, descending=False)
         if 0 < self.top_k < x.shape[-1]:
             srt = srt.masked_fill(srt < srt[..., -self.top_k, None], -math.inf)
@@ -86,7 +88,11 @@ class Sampling:
             drop = cum <= 1 - self.top_p
             drop[..., -1] = False
             srt = srt.masked_fill(drop, -math.inf)
-        return srt.scatter(-1, idx, srt).softmax(dim=-1)
+        return srt.scatter(-1, idx, srt)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """p~: the softmax of `logits(logits)`. [..., V] -> probabilities [..., V], float32."""
+        return self.logits(logits).softmax(dim=-1)
 
 
 @dataclass

@@ -410,6 +410,20 @@ class TrainConfig:
         'weights such as \'{"kl_div": 0.5, "ce": 0.5}\'.',
         check=_loss_problem,
     )
+    loss_temperature: float = _f(
+        1.0,
+        "Temperature of the two distributions the loss compares: the verifier's and the draft's logits are "
+        "divided by it, as vLLM samples a request and draws a probabilistic draft at its temperature "
+        "(1: speculators' plain logits; greedy serving ignores it).",
+        gt=0,
+    )
+    loss_top_p: float = _f(
+        1.0,
+        "Top-p of the verifier's distribution the loss matches: the tokens vLLM's sampler drops at this "
+        "top-p get target 0, the rest renormalised, the served distribution (1: the whole distribution).",
+        gt=0,
+        le=1,
+    )
     state_noise: float = _f(
         0.0,
         "Training-only Gaussian noise on the aux states, as a fraction of each token's RMS (0: none).",

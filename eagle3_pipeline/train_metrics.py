@@ -14,26 +14,69 @@ from typing import Any
 import torch
 
 from eagle3_pipeline import kernel_policy as kernels
+from eagle3_pipeline.acceptance import Sampling
 from eagle3_pipeline.distributed import Dist, all_reduce_sums
 
 log = logging.getLogger("eagle3.train")
 
 
+# Positions whose served targets are computed at once (a sort of [chunk, draft vocab] and its int64
+# indices: 0.8 GB at Kimi's 32k draft vocab), so the transform never holds a batch's worth of them.
+TARGET_CHUNK = 2048
+# What a dropped token's target logit becomes: finite (speculators' fused kernels subtract the max and
+# multiply by the probability), and exp() of it underflows to exactly 0 against any kept logit.
+DROPPED_LOGIT = -1e4
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What one forward optimises and validation reports: TTT depth, the per-step loss decay, the loss
-    (a speculators loss name or JSON weights, kernel_policy.loss_config), and the k vLLM will serve with
-    (acceptance_length counts that many steps; None: all)."""
+    (a speculators loss name or JSON weights, kernel_policy.loss_config), the k vLLM will serve with
+    (acceptance_length counts that many steps; None: all), and the served distribution the loss compares:
+    both logits / loss_temperature, the verifier's after top-p loss_top_p (1 and 1: speculators' plain
+    logits)."""
 
     ttt_steps: int
     decay: float
     loss: str
     served_k: int | None = None
+    loss_temperature: float = 1.0
+    loss_top_p: float = 1.0
 
     @classmethod
     def of(cls, cfg: Any) -> Recipe:
         """The recipe of a TrainConfig."""
-        return cls(cfg.ttt_steps, cfg.ttt_step_loss_decay, cfg.loss, cfg.served_k)
+        return cls(cfg.ttt_steps, cfg.ttt_step_loss_decay, cfg.loss, cfg.served_k, cfg.loss_temperature,
+                   cfg.loss_top_p)  # fmt: skip
+
+    def loss_config(self, kern: kernels.Kernels) -> dict[str, Any]:
+        """speculators' loss_config for this recipe: its losses as they are, or (a served distribution)
+        each loss called on the draft's logits / T and the verifier's served logits (served_targets)."""
+        config = kernels.loss_config(kern, self.loss)
+        if self.loss_temperature == 1.0 and self.loss_top_p >= 1.0:
+            return config
+        sampling = Sampling(self.loss_temperature, self.loss_top_p)
+
+        def served(fn: Any) -> Any:
+            def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                drawn = logits if sampling.temperature == 1.0 else logits / sampling.temperature
+                return fn(drawn, served_targets(targets, sampling))
+
+            return loss
+
+        return {name: (served(fn), weight) for name, (fn, weight) in config.items()}
+
+
+@torch.no_grad()
+def served_targets(targets: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The verifier's logits [..., T, V] as the distribution vLLM samples from (acceptance.Sampling:
+    / temperature, top-p), dropped tokens at DROPPED_LOGIT; in targets' dtype, TARGET_CHUNK positions at
+    a time."""
+    out = torch.empty_like(targets)
+    for i in range(0, targets.shape[-2], TARGET_CHUNK):
+        chunk = sampling.logits(targets[..., i : i + TARGET_CHUNK, :])
+        out[..., i : i + TARGET_CHUNK, :] = chunk.clamp_min(DROPPED_LOGIT).to(out.dtype)
+    return out
 
 
 def forward(
@@ -63,7 +106,7 @@ def forward(
             verifier_last_hidden_states=b["verifier_last"],
             ttt_steps=recipe.ttt_steps,
             ttt_step_loss_decay=recipe.decay,
-            loss_config=kernels.loss_config(kern, recipe.loss),
+            loss_config=recipe.loss_config(kern),
         )
     return value, metrics
 
