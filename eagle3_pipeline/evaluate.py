@@ -179,16 +179,23 @@ def compare(
         }
     drafts = max(vllm["num_drafts"], 1)
     if probabilistic:
+        # vLLM's counters include the last step's drafts past each output's end (verified, not shown);
+        # over the output the simulation cannot judge them (unverifiable_per_pos), so vLLM's rate may
+        # exceed its expectation by up to that many acceptances: on the tier's llama run (48 requests)
+        # vLLM sat 0.010-0.028 above the simulation at the third position in 5 of 5 engine runs.
         diffs = rate_diffs
         tolerances = [
             max(SAMPLED_Z * (2 * var) ** 0.5, RATE_TOLERANCE * drafts) / drafts
             for var in sim["expected_variance_per_pos"]
         ]
+        past_end = [u / max(sim["num_drafts"], 1) for u in sim["unverifiable_per_pos"]]
+        signed = [v - s for s, v in zip(sim["acceptance_rate_per_pos"], vllm["acceptance_rate_per_pos"])]
         return {
             "lossless": None,
             "rate_diff_per_pos": diffs,
             "rate_tolerance_per_pos": tolerances,
-            "rates_agree": all(d <= t for d, t in zip(diffs, tolerances)),
+            "past_end_rate_per_pos": past_end,
+            "rates_agree": all(-t <= d <= t + e for d, t, e in zip(signed, tolerances, past_end)),
         }
     settled = [
         lo <= v <= lo + u

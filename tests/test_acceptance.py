@@ -296,3 +296,27 @@ def test_probabilistic_drafting_simulation_matches_vllms_rule_in_expectation():
     perfect = _probabilistic_sim(P, P, prompt, max_new, k, 20)
     assert perfect["accepted_per_pos"] == [perfect["num_drafts"]] * k
     assert perfect["mean_acceptance_length"] == pytest.approx(k + 1)
+
+
+def test_probabilistic_comparison_allows_vllm_the_drafts_past_each_outputs_end_and_nothing_more():
+    """vLLM counts the last step's drafts past max_tokens; over its outputs the simulation cannot judge
+    them (unverifiable_per_pos). The third position's 28 of 928 (the tier's llama run) may add to vLLM's
+    rate above the simulation's expectation; below it, and above that allowance, only noise is allowed."""
+    from eagle3_pipeline.evaluate import compare
+
+    sim = {"acceptance_rate_per_pos": [0.80, 0.70, 0.60], "expected_variance_per_pos": [0.0, 0.0, 0.0],
+           "unverifiable_per_pos": [0, 12, 28], "num_drafts": 928}  # fmt: skip
+
+    def agree(rates: list[float]) -> bool:
+        return compare(sim, {"acceptance_rate_per_pos": rates, "num_drafts": 1000}, None, probabilistic=True)[
+            "rates_agree"
+        ]
+
+    tol = 0.01  # RATE_TOLERANCE: the floor when the expected variance is 0
+    assert agree([0.80, 0.70, 0.60])
+    inside = tol - 1e-9
+    assert agree([0.80 + inside, 0.70 + 12 / 928 + inside, 0.60 + 28 / 928 + inside])
+    assert agree([0.80 - inside, 0.70 - inside, 0.60 - inside])
+    assert not agree([0.80 + tol + 1e-3, 0.70, 0.60])  # nothing past the end at the first position
+    assert not agree([0.80, 0.70, 0.60 + 28 / 928 + tol + 1e-3])
+    assert not agree([0.80, 0.70 - tol - 1e-3, 0.60])  # the allowance is one-sided
