@@ -23,8 +23,8 @@ log = logging.getLogger("eagle3.train")
 # Positions whose served targets are computed at once (a sort of [chunk, draft vocab] and its int64
 # indices: 0.8 GB at Kimi's 32k draft vocab), so the transform never holds a batch's worth of them.
 TARGET_CHUNK = 2048
-# What a dropped token's target logit becomes: finite (speculators' fused kernels subtract the max and
-# multiply by the probability), and exp() of it underflows to exactly 0 against any kept logit.
+# What a dropped token's target logit becomes: finite, so no loss meets -inf (0 * -inf is NaN where a
+# loss multiplies a probability by a log-probability), and exp() of it is exactly 0 beside any kept logit.
 DROPPED_LOGIT = -1e4
 
 

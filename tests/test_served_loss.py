@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import draft_spec
+from test_kernels import _drafts, _packed_row  # the kernel tests' draft and packed row
 
 from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline import train_metrics
 from eagle3_pipeline.acceptance import Sampling
-from eagle3_pipeline.draft import build_draft
 from eagle3_pipeline.train_metrics import Recipe, forward, served_targets
 
 EAGER = kernels.Kernels("sdpa", "eager", False)
@@ -82,24 +81,8 @@ def test_descending_the_served_loss_raises_acceptance_where_plain_kl_rests(tempe
 def test_a_served_recipe_changes_the_training_loss_and_the_plain_one_does_not():
     """Through train_metrics.forward (speculators' Eagle3 forward, TTT unrolled): the served recipe's loss
     differs from the plain one's on the same batch; T 1 / top-p 1 are the plain recipe exactly."""
-    spec = draft_spec(64, 200, 50, (1, 2, 3), num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      intermediate_size=128, rope_theta=1e4, max_position_embeddings=2048)  # fmt: skip
-    torch.manual_seed(0)
-    model = build_draft(spec, attn_impl="sdpa")
-    with torch.no_grad():
-        for param in model.parameters():
-            torch.nn.init.normal_(param, std=0.05)
-    model.eval()
-    g = torch.Generator().manual_seed(0)
-    t = 96
-    batch = {
-        "hidden_states": torch.randn(1, t, 3 * 64, generator=g),
-        "input_ids": torch.randint(0, 200, (1, t), generator=g),
-        "verifier_last": torch.randn(1, t, 64, generator=g),
-        "loss_mask": torch.ones(1, t, dtype=torch.bool),
-        "document_ids": torch.zeros(1, t, dtype=torch.long),
-        "position_ids": torch.arange(t)[None],
-    }
+    (model,) = _drafts("sdpa")
+    batch = _packed_row()
 
     def loss(recipe: Recipe) -> float:
         with torch.no_grad():
