@@ -168,6 +168,16 @@ def steps(cfg: TrainConfig, tokens: Tokens, gpus: int, micro_batches: int | None
 # ---- the report -----------------------------------------------------------------------------------
 
 
+def _trained_tokens(train: TrainConfig, total_tokens: float | None, st: dict | None) -> float | None:
+    """Tokens the run trains on: the training split, times the epochs (or the steps --max-steps allows)."""
+    if total_tokens is None:
+        return None
+    trained = total_tokens * (1 - train.val_ratio)
+    if st and train.max_steps is not None:
+        return trained * st["total_steps"] / st["steps_per_epoch"]
+    return trained * train.epochs
+
+
 def build(
     verifier_path: Path,
     aux_layer_ids: list[int] | None,
@@ -201,11 +211,7 @@ def build(
         for dt, bpt in per_token.items()
     }
     st = steps(train, tokens, opts.plan_gpus, micro_batches)
-    trained_tokens = None if total_tokens is None else total_tokens * (1 - train.val_ratio)
-    if st and train.max_steps is not None and trained_tokens is not None:
-        trained_tokens *= st["total_steps"] / st["steps_per_epoch"]
-    elif trained_tokens is not None:
-        trained_tokens *= train.epochs
+    trained_tokens = _trained_tokens(train, total_tokens, st)
     seconds = (
         trained_tokens / opts.plan_tokens_per_second
         if trained_tokens is not None and opts.plan_tokens_per_second
