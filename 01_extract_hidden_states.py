@@ -5,7 +5,8 @@ Inputs:  a verifier checkpoint (Hugging Face layout; Kimi-K2.5's nested `text_co
          conversations (.jsonl/.json rows in OpenAI `messages` or ShareGPT `conversations` form, with
          reasoning, tool calls and `tools`, or `token_samples` rows from 00_regenerate.py, or a `datasets`
          folder saved with save_to_disk). Each assistant turn's context is its serving prompt under
-         --chat-template-kwargs; the loss mask covers what the model generates (README "Kimi-K2.5 data").
+         --chat-template-kwargs; the loss mask covers what the model generates (docs/reference.md
+         "Kimi-K2.5 data").
 Output:  one shard `<out-dir>/rows_<start>-<end>/` per row range: input_ids, assistant-only loss_mask,
          aux hidden states at `aux_layer_ids` (vLLM convention: id i = HF hidden_states[i]) and the last
          layer's pre-norm output for the teacher, in safetensors part files, with manifest.json
@@ -24,8 +25,8 @@ nothing; it needs only the verifier's config.json.
 Engines: --engine hf (default: transformers in this process) or --engine vllm (vLLM's
 extract_hidden_states method in its own environment, tensor parallel over the visible GPUs: what
 configs/kimi_k25.toml uses). With vllm, --serve starts one engine for the config and keeps it; runs with
-the same config are its clients, so a shell loop over shards loads the verifier once (README "Extraction
-engines"). Rendering and writing overlap the forward in both engines.
+the same config are its clients, so a shell loop over shards loads the verifier once (docs/reference.md
+"Extraction engines"). Rendering and writing overlap the forward in both engines.
 
 Examples:
   # one shard with the real run's settings

@@ -8,7 +8,8 @@ Output:  <out-dir>/checkpoints/step_NNNNNN/ (complete ones only; the last --keep
          validation acceptance length, named in checkpoints/best.json), train_log.jsonl, meta.json.
 The draft is speculators' Eagle3DraftModel with an explicit Llama decoder config (head_dim 128 for
 Kimi, never inherited from the verifier). Loss (--loss): cross-entropy on the verifier's argmax over the
-draft vocab, since vLLM drafts the argmax (README "Draft quality"); kl_div and speculators' others by name.
+draft vocab, since vLLM drafts the argmax (docs/results.md "Draft quality"); kl_div and speculators'
+others by name.
 Validation: acc/cond accuracy per TTT step and the simulated acceptance length, also before training.
 Kernels (--attn-impl, --loss-impl, --compile; eagle3_pipeline/kernel_policy.py): auto is flex attention, the
 fused Triton loss and a compiled forward on CUDA, sdpa + eager loss uncompiled on CPU; meta.json records

@@ -53,7 +53,7 @@ DATASETS = ("given", "regenerated", "regenerated_t1")
 HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
 # latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (vLLM does not
-# seed the draft's draws: its counts carry that noise, README "Sampled acceptance")
+# seed the draft's draws: its counts carry that noise, docs/results.md "Sampled acceptance")
 # (each sampled mode's requests from SERVED_MODES; "<mode>_prob": the same requests and traces, the draft
 # sampled)
 _SAMPLED = {m: {"temperature": SERVED_MODES[m].temperature, "top_p": SERVED_MODES[m].top_p}

@@ -13,7 +13,7 @@ wall, medians of interleaved runs (this machine is shared and noisy). The bare p
 
     .venv/bin/python benchmarks/extract_overhead.py                 # 400 rows, both engines
     .venv/bin/python benchmarks/extract_overhead.py --rows 200 --repeats 5 \
-        --out benchmarks/extract_overhead_200.json                  # the 200-row run in the README
+        --out benchmarks/extract_overhead_200.json                  # the 200-row run in docs/results.md
     .venv/bin/python benchmarks/extract_overhead.py --engines hf    # hf only (no vLLM environment)
     .venv/bin/python benchmarks/extract_overhead.py --quick         # 40 rows, one run each
 """

@@ -27,7 +27,7 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|bos|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
                   "<|pad|>"]  # fmt: skip
-# Kimi-K2.5's turn layout without its thinking block (see the Kimi data section of the README).
+# Kimi-K2.5's turn layout without its thinking block (see docs/reference.md "Kimi-K2.5 data").
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"

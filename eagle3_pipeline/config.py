@@ -400,9 +400,9 @@ class TrainConfig:
     ttt_step_loss_decay: float = _f(1.0, "Weight of step s is decay**s.", gt=0)
     # Cross-entropy on the verifier's argmax: vLLM's draft proposes its argmax (draft_sample_method "greedy",
     # the default), so a token is accepted when it is the verifier's choice (greedy) or with the verifier's
-    # probability of it (sampling): both reward the draft's top-1 only. Measured +11% AL over KL greedy
-    # (README "Draft quality"). Drafted probabilistically (what `[serving] mode` thinking and instant set,
-    # with kl_div) the draft's whole distribution is tested: KL there, CE is -18%.
+    # probability of it (sampling): both reward the draft's top-1 only (measured: docs/results.md "Draft
+    # quality"). Drafted probabilistically (what `[serving] mode` thinking and instant set, with kl_div) the
+    # draft's whole distribution is tested: KL there (docs/results.md "Thinking mode").
     loss: str = _f(
         "ce",
         "Loss against the verifier over the draft vocab, speculators' names: ce (the verifier's argmax "
@@ -458,8 +458,8 @@ class TrainConfig:
     intermediate_size: int = _f(18432, "Draft MLP width.", ge=1)
     rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).", gt=0)
     max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.", ge=1)
-    # The EAGLE-3.1 norms, all three on as in speculators (+15.6% simulated acceptance over the plain layout
-    # on the draft-quality benchmark, README "Draft quality"); vLLM >= 0.32 reads them (older: ignored).
+    # The EAGLE-3.1 norms, all three on as in speculators (measured: docs/results.md "Ablations from the
+    # plain EAGLE-3 recipe"); vLLM >= 0.32 reads them (older: ignored).
     norm_before_residual: bool = _f(True, "EAGLE-3 residual = hidden_norm(g) instead of g.")
     norm_before_fc: bool = _f(True, "RMSNorm over the concatenated aux states before fc (weight input_norm).")
     fc_norm: bool = _f(False, "RMSNorm over each aux state before fc (excludes --norm-before-fc).")
@@ -676,7 +676,7 @@ class ServedMode:
 # `[serving] mode` in a config: Kimi-K2.5's two modes as Moonshot recommends serving them (its API fixes
 # them: thinking 1.0 / top_p 0.95, instant 0.6 / 0.95, `{"thinking": false}` in the template), and greedy
 # (temperature 0) for benchmarks and deterministic tests.
-# The recipe per mode, measured on benchmarks/draft_quality.py (README "Draft quality"): at temperature > 0
+# The recipe per mode (benchmarks/draft_quality.py, docs/results.md "Thinking mode"): at temperature > 0
 # the draft is served drawing from its distribution (vLLM's draft_sample_method "probabilistic": accepted
 # with min(1, p~/q), ceiling 1 per position where argmax drafting's is p~(argmax)) and trained to match the
 # verifier's distribution; greedy it proposes its argmax, trained with CE on the verifier's argmax.

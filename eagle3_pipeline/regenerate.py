@@ -2,7 +2,7 @@
 
 A draft learns the distribution it will be asked to predict at serving time: the verifier's own
 output. Public EAGLE-3 drafts (the EAGLE-3 paper; every public Kimi-K2.5 draft) train on responses
-the verifier regenerated; on the draft-quality benchmark it is the largest single lever (README).
+the verifier regenerated; on the draft-quality benchmark it is the largest single lever (docs/results.md).
 
 Per row, the assistant turns are regenerated in order: turn i's prompt is the chat template rendered
 over the row up to i (earlier assistant turns already regenerated, the user turns kept) with the

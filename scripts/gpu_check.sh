@@ -101,7 +101,7 @@ res["tiny_bf16_cuda"] = {
     "train_meta_kernels": (read(root / "tiny" / "train" / "meta.json") or {}).get("kernels"),
     "simulated_acceptance": acc,
     # the same pipeline in fp32 on CPU (sdpa + eager, no compile), this script's own dry run on the
-    # 2-core CPU machine at the commit that added it (README "Measured" quotes 2.53 from an older commit)
+    # 2-core CPU machine at the commit that added it (docs/results.md "Summary" quotes another commit's run)
     "fp32_cpu_reference_val_acceptance_length": 2.224,
 }
 ddp = tail("ddp", 10**7) or ""
