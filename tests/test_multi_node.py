@@ -1,0 +1,183 @@
+"""Several ranks, several nodes, for real: torchrun (its own c10d rendezvous) and gloo on this CPU.
+
+Two torchrun agents on this machine stand for two nodes (`--nnodes 2 --rdzv-backend c10d`). Every epoch
+trains every sample once on any number of ranks (the last step padded, epochs.py); 2 ranks x grad_accum 1
+train the losses of 1 process x grad_accum 2; a node lost (its agent and worker SIGKILLed) stops the
+other with one line naming the lost rank, and the same command rerun resumes to the uninterrupted result.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, read_jsonl
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+RUN_TIMEOUT_S = 600  # a hang fails the test instead of blocking CI
+BATCH_TOKENS = "384"  # 9 training samples -> 7 micro-batches an epoch: a remainder for 2 x 2, 3 x 1, 2 x 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_args(shards: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [
+        str(REPO / "04_train.py"), "--config", str(REPO / "configs" / "tiny.toml"),
+        "--data-dir", str(shards["float32"]), "--split-dir", "", "--val-ratio", "0.2",
+        "--vocab-mapping-dir", str(shards["vocab_float32"]), "--out-dir", str(out),
+        "--batch-tokens", BATCH_TOKENS, "--log-every", "1", "--val-max-samples", "1", *extra,
+    ]  # fmt: skip
+
+
+def _agents(nodes: int, args: list[str], logs: Path, rdzv_id: str, port: int) -> list[subprocess.Popen]:
+    """`nodes` torchrun agents of one process each, as on `nodes` machines; each in its own session, so
+    that a test can kill one agent together with its worker (a node lost)."""
+    cmd = [TORCHRUN, "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *args]  # fmt: skip
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for node in range(nodes):
+        out = open(logs / f"node{node}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=ENV, cwd=logs, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+        time.sleep(1.0)  # the first agent hosts the rendezvous store
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float = RUN_TIMEOUT_S) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            _kill_node(p)
+        raise
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers (torchrun starts them in sessions of their own): a node lost."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
+    workers = [int(p) for p in children.read_text().split()] if children.exists() else []
+    for pid in [agent.pid, *workers]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=60)
+
+
+def _log(logs: Path, node: int) -> str:
+    return (logs / f"node{node}.log").read_text()
+
+
+def _single(shards: dict[str, Path], out: Path, *extra: str) -> str:
+    proc = subprocess.run([sys.executable, *_train_args(shards, out, *extra)], env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _expected_epoch(shards: dict[str, Path]) -> tuple[int, int]:
+    """(training samples, packed positions they make) of the split the runs use, counted here."""
+    from eagle3_pipeline.shards import open_shards
+    from eagle3_pipeline.split import split_samples
+
+    train, _ = split_samples(open_shards([str(shards["float32"])], verify=False).samples, 0, 0.2)
+    return len(train), sum(max(0, min(r.num_tokens, 1024) - 1) for r in train)
+
+
+EPOCH_LINE = re.compile(r"train \| epoch (\d+) \| samples (\d+), each once \| positions (\d+) \| "
+                        r"micro-batches (\d+) \(\+(\d+) padding\) over (\d+) ranks")  # fmt: skip
+
+
+@pytest.mark.parametrize("ranks,grad_accum", [(2, 2), (3, 1)])
+def test_every_sample_is_trained_once_per_epoch_on_2_and_3_ranks(tiny_shards, tmp_path, ranks, grad_accum):
+    """7 micro-batches an epoch over 2 ranks x grad_accum 2 (4 a step) or 3 ranks (3 a step): none dropped,
+    the last step padded; the counts summed over the ranks equal the split's, counted independently."""
+    out = tmp_path / "run"
+    args = _train_args(tiny_shards, out, "--epochs", "2", "--grad-accum", str(grad_accum))
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), *args], env=ENV,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples, positions = _expected_epoch(tiny_shards)
+    epochs = [tuple(map(int, m)) for m in EPOCH_LINE.findall(proc.stderr)]
+    per_step = ranks * grad_accum
+    assert [e[0] for e in epochs] == [0, 1], proc.stderr[-3000:]
+    for _, n, pos, batches, padding, world in epochs:
+        assert (n, pos, world) == (samples, positions, ranks)
+        assert batches % per_step and padding == -batches % per_step  # a remainder, padded, not dropped
+    steps = [e["step"] for e in read_jsonl(out / "train_log.jsonl")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == sum(-(-e[3] // per_step) for e in epochs)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_shards, tmp_path_factory) -> dict[str, Path]:
+    """The reference runs: two torchrun agents (c10d rendezvous, 1 rank each, grad_accum 1) and one
+    process with grad_accum 2: the same 2 micro-batches a step."""
+    root = tmp_path_factory.mktemp("two_nodes")
+    args = _train_args(tiny_shards, root / "nodes", *STEPS)
+    rcs = _wait(_agents(2, args, root / "logs", "reference", _free_port()))
+    assert rcs == [0, 0], _log(root / "logs", 0)[-3000:] + _log(root / "logs", 1)[-3000:]
+    _single(tiny_shards, root / "single", *STEPS, "--grad-accum", "2")
+    return {"root": root, "nodes": root / "nodes", "single": root / "single", "logs": root / "logs"}
+
+
+STEPS = ("--max-steps", "6", "--save-every", "2", "--eval-every", "2", "--keep-last", "10")
+
+
+def test_two_torchrun_nodes_train_the_losses_of_one_process_with_the_same_global_batch(two_nodes):
+    nodes = read_jsonl(two_nodes["nodes"] / "train_log.jsonl")
+    single = read_jsonl(two_nodes["single"] / "train_log.jsonl")
+    assert [e["step"] for e in nodes] == [e["step"] for e in single] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(nodes, single):  # step 4 ends epoch 0: its second micro-batch is padding on rank 1
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+    logs = _log(two_nodes["logs"], 0) + _log(two_nodes["logs"], 1)
+    saved = re.findall(r"\[rank (\d)\] checkpoint (\S+)", logs)
+    assert {r for r, _ in saved} == {"0"} and len(saved) == 3  # steps 2, 4, 6: once each, by global rank 0
+    assert sorted(p.name for p in (two_nodes["nodes"] / "checkpoints").glob("step_*")) == [
+        "step_000002", "step_000004", "step_000006"]  # fmt: skip
+    assert "[rank 0] train | epoch 0 | samples 9, each once" in logs and "[rank 1] train |" not in logs
+    assert not list(two_nodes["nodes"].glob(".rank0-*"))  # the shared-folder probe is gone
+
+
+def test_a_lost_node_stops_the_other_naming_it_and_the_rerun_resumes_to_the_same_losses(
+    two_nodes, tiny_shards, tmp_path
+):
+    out, logs = tmp_path / "nodes", tmp_path / "logs"
+    args = _train_args(tiny_shards, out, *STEPS)
+    agents = _agents(2, args, logs, "lost", _free_port())
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    train_log = out / "train_log.jsonl"
+    while not (train_log.exists() and any(e["step"] >= 3 for e in read_jsonl(train_log))):
+        assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, _log(logs, 0)[-3000:]
+        time.sleep(0.05)
+    rank_of = [0 if "[rank 0]" in _log(logs, n) else 1 for n in (0, 1)]  # only rank 0 logs progress
+    _kill_node(agents[1])
+    t0 = time.monotonic()
+    _wait(agents[:1], timeout_s=120)
+    stopped_s = time.monotonic() - t0
+    survivor = _log(logs, 0)
+    assert agents[0].returncode != 0 and stopped_s < 60, (stopped_s, survivor[-3000:])
+    assert re.search(rf"\[rank {rank_of[0]}\] error: rank {rank_of[0]} lost rank {rank_of[1]} ", survivor), \
+        survivor[-3000:]  # fmt: skip
+    print(f"lost node: the other agent exited {agents[0].returncode} after {stopped_s:.1f}s")
+
+    rerun = _agents(2, args, tmp_path / "logs2", "lost-rerun", _free_port())
+    assert _wait(rerun) == [0, 0], _log(tmp_path / "logs2", 0)[-3000:]
+    assert re.search(r"resumed from .*step_00000[24]", _log(tmp_path / "logs2", 0) + _log(tmp_path / "logs2", 1))
+    final = "checkpoints/step_000006/model.safetensors"
+    assert (out / final).read_bytes() == (two_nodes["nodes"] / final).read_bytes()
+    last = {e["step"]: e["loss"] for e in read_jsonl(train_log)}  # the rerun's entries come last
+    assert last == {e["step"]: e["loss"] for e in read_jsonl(two_nodes["nodes"] / "train_log.jsonl")}
