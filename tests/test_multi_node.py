@@ -176,8 +176,47 @@ def test_a_lost_node_stops_the_other_naming_it_and_the_rerun_resumes_to_the_same
 
     rerun = _agents(2, args, tmp_path / "logs2", "lost-rerun", _free_port())
     assert _wait(rerun) == [0, 0], _log(tmp_path / "logs2", 0)[-3000:]
-    assert re.search(r"resumed from .*step_00000[24]", _log(tmp_path / "logs2", 0) + _log(tmp_path / "logs2", 1))
+    resumed = _log(tmp_path / "logs2", 0) + _log(tmp_path / "logs2", 1)
+    assert re.search(r"resumed from .*step_00000[24]", resumed), resumed[-3000:]
     final = "checkpoints/step_000006/model.safetensors"
     assert (out / final).read_bytes() == (two_nodes["nodes"] / final).read_bytes()
     last = {e["step"]: e["loss"] for e in read_jsonl(train_log)}  # the rerun's entries come last
     assert last == {e["step"]: e["loss"] for e in read_jsonl(two_nodes["nodes"] / "train_log.jsonl")}
+
+
+@pytest.mark.parametrize("batches,world,grad_accum", [(7, 2, 2), (7, 3, 1), (2, 3, 1), (9, 1, 2), (8, 2, 2)])
+def test_the_slots_of_an_epoch_hold_each_micro_batch_once_and_weigh_a_step_by_its_real_ones(
+    batches, world, grad_accum
+):
+    """Over every rank's slots, each micro-batch exactly once, in order; a step's real micro-batches over
+    the ranks times 1 / loss_divisor each is the ranks' count (DDP's mean then is the mean of the real)."""
+    from eagle3_pipeline.epochs import EpochPlan
+    from eagle3_pipeline.shards import SampleRef
+
+    refs = [[SampleRef("s", "p", i, f"id{i}", 10)] for i in range(batches)]
+    plans = [EpochPlan(0, refs, world, r, grad_accum) for r in range(world)]
+    steps = plans[0].steps
+    assert steps == -(-batches // (world * grad_accum))
+    trained = [b for p in plans for b in p.rank_batches(0)]
+    assert sorted(b[0].index for b in trained) == list(range(batches))
+    for s in range(steps):
+        real = [(p.rank, m) for p in plans for m in range(grad_accum) if p.is_real(s, m)]
+        assert len(real) == plans[0].real_in_step(s) >= 1
+        assert sum(1 / (p.loss_divisor(s) * world) for p in plans for m in range(grad_accum)
+                   if p.is_real(s, m)) == pytest.approx(1.0)  # fmt: skip
+    resumed = [b for p in plans for b in p.rank_batches(1)]
+    assert sorted(b[0].index for b in resumed) == list(range(min(batches, world * grad_accum), batches))
+
+
+def test_a_gloo_error_names_the_lost_rank_and_other_errors_pass(tmp_path):
+    from eagle3_pipeline.distributed import Dist, lost_rank_error
+
+    hosts = [("node-0", ["10.0.0.1"]), ("node-1", ["10.0.0.2"]), ("node-1", ["10.0.0.2"]),
+             ("node-2", ["10.0.0.3"])]  # fmt: skip
+    dist = Dist(rank=0, world=4, timeout_s=30, hosts=hosts)
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.3]:41523: Connection reset")
+    e = lost_rank_error(gloo, dist, tmp_path / "step_000004")
+    assert str(e).startswith("rank 0 lost rank 3 on node-2 (connection lost") and "step_000004" in str(e)
+    two = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:1: Connection closed by peer")
+    assert str(lost_rank_error(two, dist, None)).startswith("rank 0 lost ranks 1, 2 on node-1")
+    assert lost_rank_error(RuntimeError("CUDA out of memory"), dist, None) is None
