@@ -108,8 +108,9 @@ def check_run_dir(out_dir: Path, resume_from: Path | None, dist: Dist) -> Path |
     if blind:
         where = ", ".join(f"rank {r} ({dist.hosts[r][0]})" for r in blind)
         raise UserError(
-            f"--out-dir {out_dir}: {where} do not see the files rank 0 writes there; the run folder must be "
-            "the same folder on every node (a shared filesystem, same path): see docs/multi_node.md"
+            f"--out-dir {out_dir}: {where} {'does' if len(blind) == 1 else 'do'} not see the files rank 0 "
+            "writes there; the run folder must be the same folder on every node (a shared filesystem, same "
+            "path): see docs/multi_node.md"
         )
     return chosen
 

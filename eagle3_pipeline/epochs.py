@@ -145,8 +145,8 @@ class EpochCount:
             )
         resumed = f" (from step {self.from_step} of it: resumed)" if self.from_step else ""
         log.info(
-            "train | epoch %d | samples %d, each once%s | positions %d | micro-batches %d (+%d padding) "
-            "over %d ranks x grad_accum %d",
+            "train | epoch %d | samples %d, each once%s | positions %d | micro-batches %d (+%d padding) | "
+            "ranks %d x grad_accum %d",
             self.plan.epoch, got["samples"], resumed, got["positions"],
             len(self.plan.batches_from(self.from_step)), got["padding"], dist.world, self.plan.grad_accum,
         )  # fmt: skip

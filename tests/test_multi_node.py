@@ -41,14 +41,14 @@ def _train_args(shards: dict[str, Path], out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _agents(nodes: int, args: list[str], logs: Path, rdzv_id: str, port: int) -> list[subprocess.Popen]:
-    """`nodes` torchrun agents of one process each, as on `nodes` machines; each in its own session, so
-    that a test can kill one agent together with its worker (a node lost)."""
-    cmd = [TORCHRUN, "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *args]  # fmt: skip
+def _agents(node_args: list[list[str]], logs: Path, rdzv_id: str, port: int) -> list[subprocess.Popen]:
+    """One torchrun agent of one process per entry (its node's 04_train.py arguments), as on as many
+    machines; each in its own session, so that a test can kill one with its worker (a node lost)."""
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
-    for node in range(nodes):
+    for node, args in enumerate(node_args):
+        cmd = [TORCHRUN, "--nnodes", str(len(node_args)), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *args]  # fmt: skip
         out = open(logs / f"node{node}.log", "w")
         procs.append(subprocess.Popen(cmd, env=ENV, cwd=logs, stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True))  # fmt: skip
@@ -99,7 +99,7 @@ def _expected_epoch(shards: dict[str, Path]) -> tuple[int, int]:
 
 
 EPOCH_LINE = re.compile(r"train \| epoch (\d+) \| samples (\d+), each once \| positions (\d+) \| "
-                        r"micro-batches (\d+) \(\+(\d+) padding\) over (\d+) ranks")  # fmt: skip
+                        r"micro-batches (\d+) \(\+(\d+) padding\) \| ranks (\d+) x")  # fmt: skip
 
 
 @pytest.mark.parametrize("ranks,grad_accum", [(2, 2), (3, 1)])
@@ -128,7 +128,7 @@ def two_nodes(tiny_shards, tmp_path_factory) -> dict[str, Path]:
     process with grad_accum 2: the same 2 micro-batches a step."""
     root = tmp_path_factory.mktemp("two_nodes")
     args = _train_args(tiny_shards, root / "nodes", *STEPS)
-    rcs = _wait(_agents(2, args, root / "logs", "reference", _free_port()))
+    rcs = _wait(_agents([args, args], root / "logs", "reference", _free_port()))
     assert rcs == [0, 0], _log(root / "logs", 0)[-3000:] + _log(root / "logs", 1)[-3000:]
     _single(tiny_shards, root / "single", *STEPS, "--grad-accum", "2")
     return {"root": root, "nodes": root / "nodes", "single": root / "single", "logs": root / "logs"}
@@ -157,7 +157,7 @@ def test_a_lost_node_stops_the_other_naming_it_and_the_rerun_resumes_to_the_same
 ):
     out, logs = tmp_path / "nodes", tmp_path / "logs"
     args = _train_args(tiny_shards, out, *STEPS)
-    agents = _agents(2, args, logs, "lost", _free_port())
+    agents = _agents([args, args], logs, "lost", _free_port())
     deadline = time.monotonic() + RUN_TIMEOUT_S
     train_log = out / "train_log.jsonl"
     while not (train_log.exists() and any(e["step"] >= 3 for e in read_jsonl(train_log))):
@@ -174,7 +174,7 @@ def test_a_lost_node_stops_the_other_naming_it_and_the_rerun_resumes_to_the_same
         survivor[-3000:]  # fmt: skip
     print(f"lost node: the other agent exited {agents[0].returncode} after {stopped_s:.1f}s")
 
-    rerun = _agents(2, args, tmp_path / "logs2", "lost-rerun", _free_port())
+    rerun = _agents([args, args], tmp_path / "logs2", "lost-rerun", _free_port())
     assert _wait(rerun) == [0, 0], _log(tmp_path / "logs2", 0)[-3000:]
     resumed = _log(tmp_path / "logs2", 0) + _log(tmp_path / "logs2", 1)
     assert re.search(r"resumed from .*step_00000[24]", resumed), resumed[-3000:]
@@ -220,3 +220,16 @@ def test_a_gloo_error_names_the_lost_rank_and_other_errors_pass(tmp_path):
     two = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:1: Connection closed by peer")
     assert str(lost_rank_error(two, dist, None)).startswith("rank 0 lost ranks 1, 2 on node-1")
     assert lost_rank_error(RuntimeError("CUDA out of memory"), dist, None) is None
+
+
+def test_a_run_folder_local_to_each_node_is_refused_at_start_naming_the_rank(tiny_shards, tmp_path):
+    """Each node given its own --out-dir (a folder local to it): rank 1 does not see rank 0's files there,
+    so both stop before training, with one line saying the run folder must be shared."""
+    node_args = [_train_args(tiny_shards, tmp_path / f"local{n}", *STEPS) for n in (0, 1)]
+    agents = _agents(node_args, tmp_path / "logs", "local", _free_port())
+    assert all(rc != 0 for rc in _wait(agents))
+    logs = _log(tmp_path / "logs", 0) + _log(tmp_path / "logs", 1)
+    want = r"\[rank 0\] error: --out-dir \S+: rank 1 \(\S+\) does not see the files rank 0 writes there"
+    assert re.search(want, logs), logs[-3000:]
+    assert "[rank 0] step " not in logs  # stopped before training
+    assert "[rank0]: Traceback" not in logs and "[rank1]: Traceback" not in logs  # one line, no traceback
