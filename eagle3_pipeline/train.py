@@ -219,10 +219,20 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter], plan: Pl
     return optimizer, scheduler
 
 
-def restore(resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any, total: int) -> Progress:
+def restore(
+    resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any, total: int, per_step: int
+) -> Progress:
+    """The checkpoint's weights, optimizer, scheduler and RNG; refused when its steps took another number
+    of micro-batches (ranks x grad_accum: which samples a step trains, epochs.py)."""
     if resume_from is None:
         return Progress()
     weights, state, info = checkpoint.load(resume_from)
+    if info.get("micro_batches_per_step", per_step) != per_step:
+        raise UserError(
+            f"{resume_from}: trained with {info['micro_batches_per_step']} micro-batches a step (ranks x "
+            f"grad_accum), this run takes {per_step}; rerun with as many ranks (nodes x processes per node) "
+            "as the run had, or use another --out-dir"
+        )
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -258,7 +268,7 @@ def run(cfg: TrainConfig) -> int:
             checkpoint.root_of(Path(cfg.out_dir)), cfg.keep_last, sum(p.numel() for p in params)
         )
     optimizer, scheduler = build_optimizer(cfg, params, plan)
-    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
+    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps, dist.world * cfg.grad_accum)
     if prog.step >= plan.total_steps:
         log.info(
             "skip: %s already reached step %d of %d (use --overwrite to retrain)",
@@ -357,7 +367,7 @@ class TrainLoop:
         self.checkpoints = checkpoint.Checkpointer(
             checkpoint.root_of(Path(self.cfg.out_dir)), self.cfg.keep_last, self.plan.save_every,
             self.plan.total_steps, self.model, self.names, self.optimizer, self.scheduler, self.dist,
-            self.device,
+            self.device, {"micro_batches_per_step": self.dist.world * self.cfg.grad_accum},
         )  # fmt: skip
         self.val_loader = self._loader(
             rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,
