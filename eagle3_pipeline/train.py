@@ -4,8 +4,10 @@ A run is set up in pieces, each readable on its own: the data (`open_data`), the
 (`draft_spec`), the output folder and its resume check (`prepare_run_dir`), the model
 (`build_model`), the optimizer and the scheduler sized from the run's length (`build_optimizer`,
 schedule.py), the resume (`restore`), then the step loop (`train_loop`). Packing lives in packing.py,
-the loss and validation metrics in train_metrics.py, torchrun plumbing in distributed.py, the choice
-of attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
+which micro-batches each rank trains at each step (every sample once an epoch, on any number of ranks)
+in epochs.py, the loss and validation metrics in train_metrics.py, torchrun plumbing (several nodes,
+a lost rank) in distributed.py, the choice of attention, loss and compile for the device in
+kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
 `ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
 With `states = "online"` the micro-batches are the same, their states asked of `vllm serve` processes
