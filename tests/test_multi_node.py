@@ -158,28 +158,43 @@ def test_two_torchrun_nodes_train_the_losses_of_one_process_with_the_same_global
     assert not list(two_nodes["nodes"].glob(".rank0-*"))  # the shared-folder probe is gone
 
 
-def test_a_lost_node_stops_the_other_naming_it_and_the_rerun_resumes_to_the_same_losses(
-    two_nodes, tiny_shards, tmp_path
-):
-    out, logs = tmp_path / "nodes", tmp_path / "logs"
+def _lose_a_node(tiny_shards: dict[str, Path], out: Path, logs: Path, lost: int) -> list[str]:
+    """Two agents; once step 3 is logged (after checkpoint step 2), agent `lost` and its worker SIGKILLed:
+    the other exits non-zero within 60 s, its worker's error naming the lost rank. Returns the args."""
     args = _train_args(tiny_shards, out, *STEPS)
-    agents = _agents([args, args], logs, "lost", _free_port())
+    agents = _agents([args, args], logs, f"lost{lost}", _free_port())
     deadline = time.monotonic() + RUN_TIMEOUT_S
     train_log = out / "train_log.jsonl"
     while not (train_log.exists() and any(e["step"] >= 3 for e in read_jsonl(train_log))):
         assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, _log(logs, 0)[-3000:]
         time.sleep(0.05)
     rank_of = [0 if "[rank 0]" in _log(logs, n) else 1 for n in (0, 1)]  # only rank 0 logs progress
-    _kill_node(agents[1])
+    _kill_node(agents[lost])
     t0 = time.monotonic()
-    _wait(agents[:1], timeout_s=120)
+    survivor = agents[1 - lost]
+    _wait([survivor], timeout_s=120)
     stopped_s = time.monotonic() - t0
-    survivor = _log(logs, 0)
-    assert agents[0].returncode != 0 and stopped_s < 60, (stopped_s, survivor[-3000:])
-    assert re.search(rf"\[rank {rank_of[0]}\] error: rank {rank_of[0]} lost rank {rank_of[1]} ", survivor), \
-        survivor[-3000:]  # fmt: skip
-    print(f"lost node: the other agent exited {agents[0].returncode} after {stopped_s:.1f}s")
+    text = _log(logs, 1 - lost)
+    assert survivor.returncode != 0 and stopped_s < 60, (stopped_s, text[-3000:])
+    me, gone = rank_of[1 - lost], rank_of[lost]
+    named = rf"\[rank {me}\] error: rank {me} lost rank {gone} .*step_00000[24]: rerun the same torchrun"
+    assert re.search(named, text), text[-3000:]
+    print(f"node {lost} lost: the other agent exited {survivor.returncode} after {stopped_s:.1f}s")
+    return args
 
+
+def test_losing_the_node_that_hosts_the_rendezvous_stops_the_other_naming_it(tiny_shards, tmp_path):
+    """The first agent hosts the c10d store: its loss also costs the other agent its store (torchrun
+    stops that worker), yet the worker's own line names the rank lost first."""
+    _lose_a_node(tiny_shards, tmp_path / "nodes", tmp_path / "logs", lost=0)
+
+
+def test_a_lost_node_stops_the_other_naming_it_and_the_rerun_resumes_to_the_same_losses(
+    two_nodes, tiny_shards, tmp_path
+):
+    out = tmp_path / "nodes"
+    args = _lose_a_node(tiny_shards, out, tmp_path / "logs", lost=1)
+    train_log = out / "train_log.jsonl"
     rerun = _agents([args, args], tmp_path / "logs2", "lost-rerun", _free_port())
     assert _wait(rerun) == [0, 0], _log(tmp_path / "logs2", 0)[-3000:]
     resumed = _log(tmp_path / "logs2", 0) + _log(tmp_path / "logs2", 1)

@@ -1,8 +1,9 @@
 """Stage 04 with online states from `vllm serve` (vLLM's CPU build, the tiny Kimi-latent MLA verifier, fp32):
 the states a server gives equal stage 01's vLLM shards, training online equals training on those shards
 (with and without a partial cache, which stays inside its budget), nothing but the run folder is
-written, a killed trainer resumes to the same losses, and a server killed mid-run is survived with every
-sample trained once per epoch.
+written, a killed trainer resumes to the same losses, a server killed mid-run is survived with every
+sample trained once per epoch, and 2 ranks under torchrun train every sample once per epoch with the
+losses of one process.
 
 The servers are started with the command `04_train.py --serve-line` prints (online.serve_argv). Needs the
 environment made by scripts/setup_vllm_cpu.sh, like the vLLM tier (skipped with the reason, or failing
