@@ -254,3 +254,32 @@ def test_a_run_folder_local_to_each_node_is_refused_at_start_naming_the_rank(tin
     assert re.search(want, logs), logs[-3000:]
     assert "[rank 0] step " not in logs  # stopped before training
     assert "[rank0]: Traceback" not in logs and "[rank1]: Traceback" not in logs  # one line, no traceback
+
+
+def test_a_rank_that_hangs_is_given_up_after_dist_timeout_s_naming_it(tiny_shards, tmp_path):
+    """A worker frozen (SIGSTOP: alive, its connections open, silent) is not noticed by a closed
+    connection: the other rank gives up after --dist-timeout-s and says so, naming it."""
+    out, logs = tmp_path / "nodes", tmp_path / "logs"
+    args = _train_args(tiny_shards, out, *STEPS, "--dist-timeout-s", "15")
+    agents = _agents([args, args], logs, "hang", _free_port())
+    train_log = out / "train_log.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (train_log.exists() and any(e["step"] >= 3 for e in read_jsonl(train_log))):
+        assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, _log(logs, 0)[-3000:]
+        time.sleep(0.05)
+    rank_of = [0 if "[rank 0]" in _log(logs, n) else 1 for n in (0, 1)]
+    children = Path(f"/proc/{agents[1].pid}/task/{agents[1].pid}/children")
+    frozen = [int(p) for p in children.read_text().split()]
+    try:
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _wait(agents[:1], timeout_s=120)
+        stopped_s = time.monotonic() - t0
+    finally:
+        _kill_node(agents[1])
+    text = _log(logs, 0)
+    assert agents[0].returncode != 0 and stopped_s < 60, (stopped_s, text[-3000:])
+    named = rf"error: rank {rank_of[0]} lost rank {rank_of[1]} .*\(timed out: .* dist_timeout_s 15s\)"
+    assert re.search(named, text), text[-3000:]
+    print(f"a frozen rank: the other agent exited {agents[0].returncode} after {stopped_s:.1f}s")
