@@ -14,9 +14,11 @@ exactly as a full step; a padding micro-batch neither counts nor weighs. DDP ave
 rank scales each real loss by world / real_in_step (= 1 / grad_accum in every full step, the usual DDP
 accumulation). The logged loss is the mean over real micro-batches too.
 
-`EpochCount` counts, on every rank, the samples and tokens it trained in the epoch; at the epoch's end the
-counts are summed over ranks and compared with the epoch's micro-batches (count, two checksums of the
-sample ids, tokens), and one line is logged: `train | epoch N | samples X of X, each once | ...`.
+`EpochCount` counts, on every rank, the samples it trained in the epoch and the packed positions that
+reached the model; at the epoch's end the counts are summed over ranks and compared with the epoch's
+micro-batches (count, two checksums of the sample ids, positions; a mismatch is a bug and stops the run),
+and rank 0 logs one line: `train | epoch N | samples X, each once | positions P | micro-batches B (+k
+padding) | ranks R x grad_accum G`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Two torchrun agents on this machine stand for two nodes (`--nnodes 2 --rdzv-backend c10d`). Every epoch
 trains every sample once on any number of ranks (the last step padded, epochs.py); 2 ranks x grad_accum 1
-train the losses of 1 process x grad_accum 2; a node lost (its agent and worker SIGKILLed) stops the
-other with one line naming the lost rank, and the same command rerun resumes to the uninterrupted result.
+train the losses of 1 process x grad_accum 2; a node lost (its agent and worker SIGKILLed, either agent)
+stops the other with one line naming the lost rank, and the same command rerun resumes to the
+uninterrupted result; a frozen rank is given up after --dist-timeout-s; a run folder local to each node,
+or a resume on another number of ranks, is refused at start with one line.
 """
 
 from __future__ import annotations
