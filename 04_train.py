@@ -25,10 +25,16 @@ Online states (--states online, eagle3_pipeline/online.py): --data-dir holds tok
 --storage-dtype none) and running `vllm serve` processes (--servers) compute each sample's states while
 the draft trains; --serve-line prints the command that starts one. Nothing is written but the run
 folder (and --cache-dir, within --cache-gb); a dead server's requests go to the others.
+Several ranks or nodes (torchrun, its c10d rendezvous; docs/multi_node.md): every epoch trains every
+sample once (the last step's empty slots are zero-weight padding), logged per epoch; --out-dir must be
+the same folder on every node (rank 0 writes, every rank resumes from it), the shards, vocab mapping,
+split and verifier at the same paths; a lost rank stops the others with a line naming it.
 
 Examples:
   python 04_train.py --config configs/kimi_k25.toml                        # one GPU, bf16
   torchrun --nproc-per-node 8 04_train.py --config configs/kimi_k25.toml   # 8 GPUs, DDP
+  torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint train-0:29500 --rdzv-id k \
+    04_train.py --config configs/kimi_k25.toml --out-dir /shared/kimi/train   # on each of 4 nodes
   python 04_train.py --config configs/tiny.toml                            # CPU smoke, fp32
   python 04_train.py --config configs/kimi_k25.toml --plan --plan-gpus 8 --plan-tokens-per-second 200000
   python 04_train.py --config configs/kimi_k25.toml --states online --data-dir runs/kimi/tokens --serve-line

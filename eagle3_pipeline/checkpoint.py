@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,7 @@ class Checkpointer:
     scheduler: Any
     dist: Any  # distributed.Dist
     device: torch.device
+    facts: dict[str, Any] = field(default_factory=dict)  # recorded in each checkpoint.json (a resume checks)
 
     def due(self, step: int, validated: bool, stopping: bool) -> bool:
         """On the cadence, at the last step, after a validation (the best is chosen among those) and
@@ -199,7 +200,7 @@ class Checkpointer:
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
             }
-            info: dict[str, Any] = {"history": history}
+            info: dict[str, Any] = {**self.facts, "history": history}
             if val is not None:
                 info["val"] = val
             try:

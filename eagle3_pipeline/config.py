@@ -431,6 +431,8 @@ class TrainConfig:
     )
     val_ratio: float = _f(0.05, "Validation fraction when no --split-dir is given.", ge=0, lt=1)
     num_workers: int = _f(0, "DataLoader worker processes (0: load in the training process).", ge=0)
+    dist_timeout_s: float = _f(1800.0, "Under torchrun: seconds a rank waits for the others at a collective "
+                               "(longer than a checkpoint save); a dead rank is seen at once.", gt=0)
     seed: int = _f(0, "Seed for initialisation, data order and split.", **SEED)
     dtype: str = _f(
         "auto", "auto (bfloat16 autocast on CUDA, float32 on CPU), bfloat16, float32.", choices=TRAIN_DTYPES

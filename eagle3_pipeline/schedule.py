@@ -16,8 +16,9 @@ DEFAULT_VALIDATIONS_PER_RUN = 10  # evaluations (and checkpoints) spread over a 
 
 def steps_per_epoch(micro_batches: int, world_size: int, grad_accum: int) -> int:
     """Optimizer steps per epoch on each rank: the epoch's micro-batches shared by the ranks, grad_accum of
-    them per step (the remainder is dropped; at least one step)."""
-    return max(1, micro_batches // (world_size * grad_accum))
+    them per step; the last step takes the remainder (its empty slots are padding: epochs.py), so every
+    micro-batch is trained once (at least one step)."""
+    return max(1, math.ceil(micro_batches / (world_size * grad_accum)))
 
 
 def total_steps(epoch_steps: list[int], max_steps: int | None) -> int:

@@ -4,8 +4,10 @@ A run is set up in pieces, each readable on its own: the data (`open_data`), the
 (`draft_spec`), the output folder and its resume check (`prepare_run_dir`), the model
 (`build_model`), the optimizer and the scheduler sized from the run's length (`build_optimizer`,
 schedule.py), the resume (`restore`), then the step loop (`train_loop`). Packing lives in packing.py,
-the loss and validation metrics in train_metrics.py, torchrun plumbing in distributed.py, the choice
-of attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
+which micro-batches each rank trains at each step (every sample once an epoch, on any number of ranks)
+in epochs.py, the loss and validation metrics in train_metrics.py, torchrun plumbing (several nodes,
+a lost rank) in distributed.py, the choice of attention, loss and compile for the device in
+kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
 `ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
 With `states = "online"` the micro-batches are the same, their states asked of `vllm serve` processes
@@ -27,7 +29,15 @@ from eagle3_pipeline import checkpoint, plots, schedule, storage, trackers
 from eagle3_pipeline import kernel_policy as kernels
 from eagle3_pipeline.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.config import TRAIN_DTYPES, TrainConfig, config_to_dict, provenance
-from eagle3_pipeline.distributed import Dist, StopFlag, all_reduce_sums, init_distributed, rank_slice
+from eagle3_pipeline.distributed import (
+    Dist,
+    StopFlag,
+    all_reduce_sums,
+    check_run_dir,
+    init_distributed,
+    lost_rank_error,
+    rank_slice,
+)
 from eagle3_pipeline.draft import (
     DraftSpec,
     attach_verifier_tensors,
@@ -35,9 +45,10 @@ from eagle3_pipeline.draft import (
     spec_for_training,
     trainable_names,
 )
+from eagle3_pipeline.epochs import EpochCount, EpochPlan, padding_of
 from eagle3_pipeline.errors import UserError
 from eagle3_pipeline.online import NoServerLeft
-from eagle3_pipeline.packing import BatchDataset, micro_batches, raise_batch_errors
+from eagle3_pipeline.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
 from eagle3_pipeline.shards import SampleRef, ShardSet, has_states, open_shards
 from eagle3_pipeline.split import load_split, split_samples
 from eagle3_pipeline.train_metrics import (
@@ -80,10 +91,15 @@ class Plan:
     epoch_steps: list[int]  # optimizer steps of each of the config's epochs: every micro-batch once
 
 
+def epoch_plan(cfg: TrainConfig, refs: list[SampleRef], dist: Dist, epoch: int) -> EpochPlan:
+    """One epoch's shuffle packed, dealt over the ranks and grad_accum (epochs.py)."""
+    batches = micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)
+    return EpochPlan(epoch, batches, dist.world, dist.rank, cfg.grad_accum)
+
+
 def steps_of_epoch(cfg: TrainConfig, refs: list[SampleRef], dist: Dist, epoch: int) -> int:
-    """Optimizer steps of one epoch: its shuffle packed, shared by the ranks, grad_accum per step."""
-    batches = len(micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch))
-    return schedule.steps_per_epoch(batches, dist.world, cfg.grad_accum)
+    """Optimizer steps of one epoch: every micro-batch once, the last step padded (epochs.py)."""
+    return epoch_plan(cfg, refs, dist, epoch).steps
 
 
 @dataclass
@@ -205,10 +221,20 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter], plan: Pl
     return optimizer, scheduler
 
 
-def restore(resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any, total: int) -> Progress:
+def restore(
+    resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any, total: int, per_step: int
+) -> Progress:
+    """The checkpoint's weights, optimizer, scheduler and RNG; refused when its steps took another number
+    of micro-batches (ranks x grad_accum: which samples a step trains, epochs.py)."""
     if resume_from is None:
         return Progress()
     weights, state, info = checkpoint.load(resume_from)
+    if info.get("micro_batches_per_step", per_step) != per_step:
+        raise UserError(
+            f"{resume_from}: trained with {info['micro_batches_per_step']} micro-batches a step (ranks x "
+            f"grad_accum), this run takes {per_step}; rerun with as many ranks (nodes x processes per node) "
+            "as the run had, or use another --out-dir"
+        )
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -219,7 +245,7 @@ def restore(resume_from: Path | None, model: Any, optimizer: Any, scheduler: Any
 
 def run(cfg: TrainConfig) -> int:
     trackers.check_loggers(cfg.loggers)  # an unknown or missing tracker stops the run before any work
-    dist, device = init_distributed()
+    dist, device = init_distributed(cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed)
     kernels.check_loss(cfg.loss)
     data = open_data(cfg)
@@ -228,7 +254,7 @@ def run(cfg: TrainConfig) -> int:
     plan = plan_run(cfg, data, dist)
     kern = resolve_kernels(cfg, device)
     run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
-    resume_from = prepare_run_dir(cfg, run_meta, dist)
+    resume_from = check_run_dir(Path(cfg.out_dir), prepare_run_dir(cfg, run_meta, dist), dist)
     model, names = build_model(cfg, spec, data, verifier_path, device, kern)
     log.info("kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s", kern.attn_impl,
              cfg.loss, kern.loss_impl, "on" if kern.compile else "off",
@@ -244,7 +270,7 @@ def run(cfg: TrainConfig) -> int:
             checkpoint.root_of(Path(cfg.out_dir)), cfg.keep_last, sum(p.numel() for p in params)
         )
     optimizer, scheduler = build_optimizer(cfg, params, plan)
-    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps)
+    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps, dist.world * cfg.grad_accum)
     if prog.step >= plan.total_steps:
         log.info(
             "skip: %s already reached step %d of %d (use --overwrite to retrain)",
@@ -264,6 +290,11 @@ def run(cfg: TrainConfig) -> int:
     )
     try:
         code = loop.run(prog)
+    except RuntimeError as e:  # a rank lost (its node, its process): one line naming it, not a traceback
+        lost = lost_rank_error(e, dist, checkpoint.latest(checkpoint.root_of(Path(cfg.out_dir))))
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         tracker.close()
     return _finish(cfg, plan, dist, prog, code)
@@ -338,7 +369,7 @@ class TrainLoop:
         self.checkpoints = checkpoint.Checkpointer(
             checkpoint.root_of(Path(self.cfg.out_dir)), self.cfg.keep_last, self.plan.save_every,
             self.plan.total_steps, self.model, self.names, self.optimizer, self.scheduler, self.dist,
-            self.device,
+            self.device, {"micro_batches_per_step": self.dist.world * self.cfg.grad_accum},
         )  # fmt: skip
         self.val_loader = self._loader(
             rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,
@@ -360,51 +391,42 @@ class TrainLoop:
         )
 
     def validate(self) -> dict[str, float]:
-        return validate(
-            self.ddp_model,
-            self.val_loader,
-            self.recipe,
-            self.device,
-            self.autocast_dtype,
-            self.dist,
-            self.kern,
-        )
+        return validate(self.ddp_model, self.val_loader, self.recipe, self.device, self.autocast_dtype,
+                        self.dist, self.kern)  # fmt: skip
 
-    def steps_in(self, epoch: int) -> int:
-        """Optimizer steps of an epoch (past the config's epochs when max_steps cycles on)."""
-        steps = self.plan.epoch_steps
-        while len(steps) <= epoch:
-            steps.append(steps_of_epoch(self.cfg, self.data.train_refs, self.dist, len(steps)))
-        return steps[epoch]
-
-    def epoch_batches(self, step: int) -> tuple[int, int, int, Any]:
-        """(epoch, position in it, its steps, iterator over the rest of its micro-batches) for a global
-        step. Each epoch trains each of its micro-batches once (the remainder of ranks x grad_accum aside)."""
+    def epoch_batches(self, step: int) -> tuple[EpochPlan, int, Any]:
+        """(the epoch's plan, position in it, iterator of (refs, batch) over the rest of this rank's real
+        micro-batches) for a global step. Each epoch trains each of its micro-batches once (epochs.py)."""
         epoch, in_epoch = 0, step
-        while in_epoch >= self.steps_in(epoch):
-            in_epoch -= self.steps_in(epoch)
+        while in_epoch >= _steps_in(self, epoch):
+            in_epoch -= _steps_in(self, epoch)
             epoch += 1
-        cfg, steps = self.cfg, self.steps_in(epoch)
-        batches = rank_slice(
-            micro_batches(self.data.train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch), self.dist
-        )
-        take = [batches[i % len(batches)] for i in range(in_epoch * cfg.grad_accum, steps * cfg.grad_accum)]
-        return epoch, in_epoch, steps, iter(self._loader(take, f"epoch {epoch}"))
+        ep = epoch_plan(self.cfg, self.data.train_refs, self.dist, epoch)
+        mine = ep.rank_batches(in_epoch)
+        return ep, in_epoch, zip(mine, self._loader(mine, f"epoch {epoch}"))
 
-    def optimizer_step(self, it: Any, sums: dict[str, float], step: int) -> tuple[float, int]:
-        """grad_accum micro-batches, clip, step; (gradient norm, tokens seen by all ranks)."""
-        cfg = self.cfg
+    def optimizer_step(
+        self, it: Any, sums: dict[str, float], step: int, count: EpochCount
+    ) -> tuple[float, int]:
+        """grad_accum micro-batches (padding past the epoch's last: weight 0), clip, step; (gradient norm,
+        tokens seen by all ranks)."""
+        cfg, ep, in_epoch = self.cfg, count.plan, step - count.epoch_start
         self.optimizer.zero_grad(set_to_none=True)
         tokens = 0
         for micro in range(cfg.grad_accum):
-            batch = next(it)
+            refs, batch = next(it) if ep.is_real(in_epoch, micro) else (None, _padding(self))
             if cfg.state_noise:
                 seed = ((cfg.seed * 1_000_003 + step) * 64 + micro) * 1024 + self.dist.rank
                 batch = with_state_noise(batch, cfg.state_noise, seed)
             loss, metrics = forward(
                 self.ddp_model, batch, self.recipe, self.device, self.autocast_dtype, self.kern
             )
-            (loss / cfg.grad_accum).backward()
+            count.add(refs, batch)
+            if refs is None:
+                (loss * 0.0).backward()  # DDP's all-reduce needs this rank's backward; it adds nothing
+                accumulate(sums, metrics, weight=0.0)
+                continue
+            (loss / ep.loss_divisor(in_epoch)).backward()
             accumulate(sums, metrics)
             tokens += int(batch["input_ids"].numel()) * self.dist.world
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
@@ -424,15 +446,18 @@ class TrainLoop:
         self.ddp_model.train()
         try:
             while prog.step < plan.total_steps:
-                epoch, in_epoch, steps, it = self.epoch_batches(prog.step)
-                while prog.step < plan.total_steps and in_epoch < steps:
-                    grad_norm, tokens = self.optimizer_step(it, meter.sums, prog.step)
+                ep, in_epoch, it = self.epoch_batches(prog.step)
+                count = EpochCount(ep, in_epoch, cfg.max_seq_len, epoch_start=prog.step - in_epoch)
+                while prog.step < plan.total_steps and in_epoch < ep.steps:
+                    grad_norm, tokens = self.optimizer_step(it, meter.sums, prog.step, count)
                     prog.step += 1
                     in_epoch += 1
                     meter.tokens += tokens
                     bar.update(1)
                     if prog.step % cfg.log_every == 0 or prog.step == plan.total_steps:
-                        _log_interval(self, prog.step, epoch, grad_norm, meter)
+                        _log_interval(self, prog.step, ep.epoch, grad_norm, meter)
+                    if in_epoch == ep.steps:  # every rank at the same step: the sum over ranks, checked
+                        count.report(self.dist, self.device)
                     if self._after_step(prog, stop):
                         log.warning(
                             "signal %d: checkpoint saved at step %d; rerun the same command to resume",
@@ -462,6 +487,29 @@ class TrainLoop:
         if self.checkpoints.due(prog.step, val is not None, stopping):
             self.checkpoints.save(prog.step, prog.history, val)
         return stopping
+
+
+def _steps_in(loop: TrainLoop, epoch: int) -> int:
+    """Optimizer steps of an epoch (past the config's epochs when max_steps cycles on)."""
+    steps = loop.plan.epoch_steps
+    while len(steps) <= epoch:
+        steps.append(steps_of_epoch(loop.cfg, loop.data.train_refs, loop.dist, len(steps)))
+    return steps[epoch]
+
+
+def _padding(loop: TrainLoop) -> dict[str, torch.Tensor]:
+    """The padding micro-batch (epochs.padding_of) of the run's first training sample, made once: read
+    from its shard, or its states asked of the servers."""
+    if getattr(loop, "_padding_batch", None) is None:
+        ref, cfg = loop.data.train_refs[0], loop.cfg
+        if loop.online is not None:
+            batch = pack([loop.online.sample(ref)], cfg.max_seq_len, cfg.loss_on_all_tokens)
+        else:
+            batch = BatchDataset([[ref]], cfg.max_seq_len, cfg.loss_on_all_tokens)[0]
+            if ERROR_KEY in batch:
+                raise UserError(batch[ERROR_KEY])
+        loop._padding_batch = padding_of(batch)
+    return loop._padding_batch
 
 
 def _log_interval(loop: TrainLoop, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:

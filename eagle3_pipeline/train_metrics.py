@@ -121,10 +121,12 @@ def with_state_noise(batch: dict[str, torch.Tensor], scale: float, seed: int) ->
     return {**batch, "hidden_states": (h.float() + noise).to(h.dtype)}
 
 
-def accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor]) -> None:
+def accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+    """Add a batch's metrics; weight 0 (a padding micro-batch) adds only its keys, so that the sums of
+    every rank have the same keys when all_reduce_sums adds them up."""
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + float(v)
-    sums["n"] = sums.get("n", 0.0) + 1.0
+        sums[k] = sums.get(k, 0.0) + weight * float(v)
+    sums["n"] = sums.get("n", 0.0) + weight
 
 
 def summarize(sums: dict[str, float], ttt_steps: int, served_k: int | None = None) -> dict[str, float]:

