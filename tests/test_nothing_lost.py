@@ -152,3 +152,14 @@ def test_a_resume_that_changes_any_recipe_field_is_refused_naming_it(finished, t
         assert code == 2, (f.name, err[-2000:])
         assert f"--{f.name.replace('_', '-')} (was " in err and "an exact resume needs" in err, (f.name, err)
     assert _tree_hashes(finished) == before
+
+
+@pytest.mark.parametrize("stage", ["02_build_vocab_mapping.py", "03_split_data.py"])
+def test_stages_02_and_03_check_their_inputs_before_touching_an_unfinished_output(tmp_path, stage):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "from_an_earlier_run.json").write_text("{}")
+    before = _tree_hashes(out)
+    proc = run_script(script(stage), "--data-dir", str(tmp_path / "missing"), "--out-dir", str(out), check=False)
+    assert proc.returncode == 2 and str(tmp_path / "missing") in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and _tree_hashes(out) == before
