@@ -160,6 +160,38 @@ def test_stages_02_and_03_check_their_inputs_before_touching_an_unfinished_outpu
     out.mkdir()
     (out / "from_an_earlier_run.json").write_text("{}")
     before = _tree_hashes(out)
-    proc = run_script(script(stage), "--data-dir", str(tmp_path / "missing"), "--out-dir", str(out), check=False)
+    proc = run_script(script(stage), "--data-dir", str(tmp_path / "missing"), "--out-dir", str(out),
+                      check=False)  # fmt: skip
     assert proc.returncode == 2 and str(tmp_path / "missing") in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and _tree_hashes(out) == before
+
+
+def test_regenerate_overwrite_interrupted_puts_the_old_output_back(tiny_verifier, tmp_path):
+    """Stage 00 --overwrite moves the complete output aside; interrupted (SIGINT) after its first new part,
+    the old output is back byte for byte; run through, the new one replaces it."""
+    import signal
+    import time
+
+    from conftest import CONVERSATIONS, popen_script
+
+    args = [
+        script("00_regenerate.py"), "--verifier-path", str(tiny_verifier), "--data-path", str(CONVERSATIONS),
+        "--out-dir", str(tmp_path / "regen"), "--engine", "hf", "--max-new-tokens", "4",
+        "--rows-per-part", "1",
+    ]  # fmt: skip
+    run_script(*args)
+    before = _tree_hashes(tmp_path / "regen")
+    proc = popen_script([*args, "--overwrite", "--max-new-tokens", "48"], tmp_path)  # 10 slower parts
+    aside = next(tmp_path.glob(".regen.old-*"), None)
+    while not (tmp_path / "regen" / "part-00000.jsonl").exists() or aside is None:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        aside = aside or next(tmp_path.glob(".regen.old-*"), None)
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130
+    assert "the old one is back" in proc.stderr.read()
+    assert _tree_hashes(tmp_path / "regen") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen"]
+    run_script(*args, "--overwrite", "--max-new-tokens", "5")
+    assert _tree_hashes(tmp_path / "regen") != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["regen"]
