@@ -149,8 +149,9 @@ def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
 class RunDir:
     """The run folder, written only once every check has passed and every input is open (`open`).
     --overwrite moves the old run to a hidden sibling `.<name>.old-<pid>`, deleted when the new run has
-    saved its first complete checkpoint (`kept`); a run that ends before that (an error, a crash's rerun
-    aside) puts the old run back and leaves no folder it created (`close`). Rank 0 only."""
+    saved its first complete checkpoint (`kept`); a run that ends before that with an error or an interrupt
+    puts the old run back and leaves no folder it created (`close`; after a SIGKILL the old run is still
+    in its hidden sibling, named in the log). Rank 0 only."""
 
     def __init__(self, out_dir: Path, overwrite: bool, rank: int):
         self.out_dir, self.overwrite, self.rank0 = out_dir, overwrite, rank == 0
