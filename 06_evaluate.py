@@ -4,7 +4,9 @@
 Inputs:  an export folder (stage 05), the verifier (default: the one the export records) and
          conversations whose first user turn(s) become prompts (--start-row, --num-prompts), rendered
          with the chat_template_kwargs the training shards were extracted with (or --chat-template-kwargs).
-Sampling: greedy by default; --temperature/--top-p/--top-k/--seed as the requests are served (Kimi-K2.5's
+Sampling: as the export records it will be served (export_meta.json "served", from stage 05's
+         --temperature/--top-p/--draft-sample-method or a [serving] mode), else greedy; a flag here wins.
+         --temperature/--top-p/--top-k/--seed as the requests are served (Kimi-K2.5's
          thinking mode: --temperature 1.0 --top-p 0.95; instant mode 0.6 / 0.95), request i seeded
          seed + i, --samples-per-prompt independent draws per prompt. vLLM drafts the draft's argmax and
          accepts it with the verifier's probability of it after temperature/top-k/top-p; the simulation

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,7 @@ class Checkpointer:
     scheduler: Any
     dist: Any  # distributed.Dist
     device: torch.device
+    on_saved: Callable[[], None] | None = None  # rank 0, after each complete checkpoint
     facts: dict[str, Any] = field(default_factory=dict)  # recorded in each checkpoint.json (a resume checks)
 
     def due(self, step: int, validated: bool, stopping: bool) -> bool:
@@ -206,6 +208,8 @@ class Checkpointer:
             try:
                 weights = {n: params[n] for n in self.names}
                 log.info("checkpoint %s", save(self.root, step, weights, train_state, info, self.keep_last))
+                if self.on_saved is not None:
+                    self.on_saved()
             except DiskFull as e:
                 failure = e
         if self.dist.enabled:  # doubles as the barrier after the save

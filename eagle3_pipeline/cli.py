@@ -23,15 +23,29 @@ log = logging.getLogger("eagle3")
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
+# The pipeline's stages in order, owned here: scripts/run_tiny.sh loops over `python -m eagle3_pipeline.cli
+# stages`, and each stage's closing hint names the next (NEXT_STAGE).
+STAGES = {
+    "regenerate": "00_regenerate.py",
+    "extract": "01_extract_hidden_states.py",
+    "vocab": "02_build_vocab_mapping.py",
+    "split": "03_split_data.py",
+    "train": "04_train.py",
+    "export": "05_export.py",
+    "evaluate": "06_evaluate.py",
+}
 # What to run after each stage: the next script with the same --config, or with the flag that takes
 # this stage's output (stage 06 ends the pipeline: its JSON and plot are the result).
+NEXT_FLAGS = {
+    "regenerate": "--data-path {out}/conversations.jsonl",
+    "extract": "--data-dir {out} (after the last shard)",
+    "vocab": "--data-dir SHARDS, then 04_train.py --vocab-mapping-dir {out}",
+    "split": "--split-dir {out}",
+    "train": "--train-dir {out} --out-dir DRAFT",
+    "export": "--draft-dir {out} --data-path PROMPTS",
+}
 NEXT_STAGE = {
-    "regenerate": ("01_extract_hidden_states.py", "--data-path {out}/conversations.jsonl"),
-    "extract": ("02_build_vocab_mapping.py", "--data-dir {out} (after the last shard)"),
-    "vocab": ("03_split_data.py", "--data-dir SHARDS, then 04_train.py --vocab-mapping-dir {out}"),
-    "split": ("04_train.py", "--split-dir {out}"),
-    "train": ("05_export.py", "--train-dir {out} --out-dir DRAFT"),
-    "export": ("06_evaluate.py", "--draft-dir {out} --data-path PROMPTS"),
+    section: (script, NEXT_FLAGS[section]) for section, script in zip(STAGES, list(STAGES.values())[1:])
 }
 
 
@@ -115,3 +129,16 @@ def progress(iterable: Any = None, **kw: Any) -> Any:
 
     disable = not sys.stderr.isatty() or not is_rank0()
     return tqdm(iterable, disable=disable, dynamic_ncols=True, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3_pipeline.cli stages`: the stage scripts in order, one a line (for run scripts)."""
+    parser = argparse.ArgumentParser(prog="python -m eagle3_pipeline.cli", description=main.__doc__)
+    parser.add_argument("what", choices=["stages"])
+    parser.parse_args(argv)
+    print("\n".join(STAGES.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

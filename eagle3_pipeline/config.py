@@ -511,8 +511,18 @@ class ExportConfig:
     draft_sample_method: str = _f(
         "greedy",
         "draft_sample_method in the printed vllm serve line (06_evaluate.py --draft-sample-method says what "
-        "each does; a [serving] mode sets the one measured best for it).",
+        "each does; a [serving] mode sets the one measured best for it). Recorded in export_meta.json: "
+        "06_evaluate.py evaluates the export drafting so unless told otherwise.",
         choices=DRAFT_SAMPLE_METHODS,
+    )
+    temperature: float | None = _f(
+        None,
+        "Sampling temperature the requests will be served at (a [serving] mode sets it), recorded in "
+        "export_meta.json for 06_evaluate.py (None: not recorded; stage 06 then evaluates greedy).",
+        ge=0,
+    )
+    top_p: float | None = _f(
+        None, "Nucleus mass the requests will be served at, recorded with --temperature.", gt=0, le=1
     )
     serve_tensor_parallel_size: int = _f(
         0,
@@ -534,26 +544,32 @@ class EvaluateConfig:
     num_prompts: int = _f(8, "Prompts evaluated.", ge=1)
     max_new_tokens: int = _f(64, "Tokens generated per prompt.", ge=1)
     num_speculative_tokens: int = _f(3, "k draft tokens per step.", ge=1)
-    temperature: float = _f(
-        0.0,
-        "Sampling temperature of the requests: 0 greedy; Kimi-K2.5 serves thinking mode at 1.0 (top_p 0.95) "
-        "and instant mode at 0.6 (top_p 0.95). Drafting by argmax, the verifier accepts a draft with its "
-        "probability of it; see --draft-sample-method. The simulation reports the expected acceptance exactly.",
+    temperature: float | None = _f(
+        None,
+        "Sampling temperature of the requests (default: the export's recorded one, else 0): 0 greedy; "
+        "Kimi-K2.5 serves thinking mode at 1.0 (top_p 0.95) and instant mode at 0.6 (top_p 0.95). Drafting "
+        "by argmax, the verifier accepts a draft with its probability of it; see --draft-sample-method. The "
+        "simulation reports the expected acceptance exactly.",
         ge=0,
     )
-    top_p: float = _f(
-        1.0, "Nucleus mass of the requests when --temperature > 0 (Kimi-K2.5: 0.95).", gt=0, le=1
+    top_p: float | None = _f(
+        None,
+        "Nucleus mass of the requests when --temperature > 0 (Kimi-K2.5: 0.95; default: the export's "
+        "recorded one, else 1).",
+        gt=0,
+        le=1,
     )
     top_k: int = _f(0, "Top-k of the requests when --temperature > 0 (0: off).", ge=0)
     seed: int = _f(
         0, "Sampling seed: request i is seeded seed + i, in the simulation and in vLLM alike.", **SEED
     )
-    draft_sample_method: str = _f(
-        "greedy",
-        "vLLM's speculative-config draft_sample_method: greedy (the draft proposes its argmax; vLLM's default) "
-        "or probabilistic (drawn from the draft at the request's temperature, no top-p, and accepted with "
-        "probability min(1, p/q)). The simulation follows either; pass the same to vllm serve (05_export.py "
-        "prints it). A [serving] mode sets the one measured best for it.",
+    draft_sample_method: str | None = _f(
+        None,
+        "Default: the one the export records it will be served with (export_meta.json), else greedy. "
+        "vLLM's speculative-config draft_sample_method: greedy (the draft proposes its argmax; vLLM's "
+        "default) or probabilistic (drawn from the draft at the request's temperature, no top-p, and "
+        "accepted with probability min(1, p/q)). The simulation follows either; pass the same to vllm serve "
+        "(05_export.py prints it). A [serving] mode sets the one measured best for it.",
         choices=DRAFT_SAMPLE_METHODS,
     )
     samples_per_prompt: int = _f(
@@ -693,7 +709,7 @@ SERVED_MODE_KEYS = {
     "regenerate": ("temperature", "top_p", "chat_template_kwargs"),
     "extract": ("chat_template_kwargs",),
     "train": ("loss",),
-    "export": ("draft_sample_method",),
+    "export": ("temperature", "top_p", "draft_sample_method"),  # recorded for stage 06
     "evaluate": ("temperature", "top_p", "draft_sample_method"),
 }
 NON_STAGE_SECTIONS = ("run", "serving")  # [run]: what scripts/run_tiny.sh builds; [serving]: SERVED_MODES

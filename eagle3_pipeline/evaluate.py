@@ -222,6 +222,22 @@ def sampling_of(cfg: EvaluateConfig) -> Sampling:
     return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
 
 
+# What an unset sampling setting is when the export records none: greedy requests, argmax drafting.
+UNRECORDED_SERVING = {"temperature": 0.0, "top_p": 1.0, "draft_sample_method": "greedy"}
+
+
+def served_as_exported(cfg: EvaluateConfig, served: dict[str, Any], export_meta: Path) -> EvaluateConfig:
+    """The settings left unset (None) as the export records it will be served (export_meta.json "served",
+    stage 05), else UNRECORDED_SERVING; what the command line or config gives wins."""
+    unset = {k: served.get(k) for k, v in UNRECORDED_SERVING.items() if getattr(cfg, k) is None}
+    from_export = {k: v for k, v in unset.items() if v is not None}
+    if from_export:
+        log.info("serving as %s records it: %s (give the flag to evaluate otherwise)", export_meta,
+                 " | ".join(f"{k} {v}" for k, v in from_export.items()))  # fmt: skip
+    filled = {k: UNRECORDED_SERVING[k] if v is None else v for k, v in unset.items()}
+    return dataclasses.replace(cfg, **filled)
+
+
 def run(cfg: EvaluateConfig) -> int:
     from transformers import AutoTokenizer
 
@@ -232,9 +248,10 @@ def run(cfg: EvaluateConfig) -> int:
         raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
     if cfg.engine not in EVALUATE_ENGINES:  # checked when parsed; a config built in code skips that
         raise UserError(f"engine {cfg.engine!r}: use one of {', '.join(EVALUATE_ENGINES)}")
-    verifier_path = Path(
-        cfg.verifier_path or storage.read_json(draft_dir / "export_meta.json")["verifier_path"]
-    )
+    export_meta = draft_dir / "export_meta.json"
+    recorded = storage.read_json(export_meta) if export_meta.exists() else {}
+    cfg = served_as_exported(cfg, recorded.get("served") or {}, export_meta)
+    verifier_path = Path(cfg.verifier_path or storage.read_json(export_meta)["verifier_path"])
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     template_kwargs = cfg.chat_template_kwargs
     if template_kwargs is None:

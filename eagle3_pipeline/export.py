@@ -468,6 +468,8 @@ def _build(
             "vocab_mapping_sha256": meta["vocab_mapping_sha256"],
             "readback": stats,
             "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
+            # how it will be served: 06_evaluate.py evaluates it so unless its command line says otherwise
+            "served": {k: getattr(cfg, k) for k in ("draft_sample_method", "temperature", "top_p")},
             **provenance(cfg),
         },
     )

@@ -170,27 +170,26 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             loaded["vllm_version"] = engine.version if engine else vllm_version(cfg.vllm_python)
         settings.update(engine="vllm", vllm_version=loaded["vllm_version"])
 
-    if not parts.open_output(shard, cfg.overwrite, settings):
+    if storage.is_complete(shard) and not cfg.overwrite:
+        storage.log_skip(shard)
         return
+    if not cfg.overwrite:  # a resume with other settings is refused before the verifier loads
+        storage.check_run_settings(shard / parts.RUN_FILE, settings)
     blocks = parts.blocks(start, end, cfg.samples_per_file)
-    todo = parts.todo(shard, blocks, shards.part_info_name)
-    log.info(
-        "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
-        shard,
-        start,
-        end,
-        len(blocks),
-        len(todo),
-        aux_ids,
-        settings["dtype"],
-        storage_dtype,
-    )
-    if todo:
-        renderer = loaded["renderer"]
+    todo = list(enumerate(blocks)) if cfg.overwrite else parts.todo(shard, blocks, shards.part_info_name)
+    if todo:  # every check before open_output removes an overwritten shard (its bytes count as free)
         if "engine" not in loaded:  # while the renderer loads its tokenizer (nothing written yet)
             loaded["engine"] = _open_engine(cfg, facts, aux_ids, dtype)
-        _check_free_space(cfg, shard, renderer, todo, len(aux_ids), facts.hidden_size, storage_dtype)
-        _extract_parts(shard, todo, storage_dtype, renderer, loaded["engine"])
+        freed = storage.tree_bytes(shard) if cfg.overwrite else 0
+        _check_free_space(cfg, shard, loaded["renderer"], todo, len(aux_ids), facts.hidden_size,
+                          storage_dtype, freed)  # fmt: skip
+    parts.open_output(shard, cfg.overwrite, settings)
+    log.info(
+        "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
+        shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,
+    )  # fmt: skip
+    if todo:
+        _extract_parts(shard, todo, storage_dtype, loaded["renderer"], loaded["engine"])
     shards.finish_shard(shard, len(blocks), settings, provenance(cfg))
 
 
@@ -202,8 +201,10 @@ def _check_free_space(
     num_aux: int,
     hidden_size: int,
     storage_dtype: str,
+    freed: int = 0,
 ) -> None:
-    """Refuse to start when the parts still to write would not fit (tokens per row from a sample)."""
+    """Refuse to start when the parts still to write would not fit (tokens per row from a sample); `freed`:
+    bytes the start frees (an overwritten shard)."""
     a0 = todo[0][1][0]
     rows_todo = sum(b - a for _, (a, b) in todo)
     per_row = renderer.tokens_per_row(a0, a0 + rows_todo)
@@ -211,7 +212,7 @@ def _check_free_space(
         return
     need = int(rows_todo * per_row * state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size))
     need += rows_todo * state_dtype.bytes_per_sample(storage_dtype, num_aux)
-    free = storage.free_bytes(shard)
+    free = storage.free_bytes(shard) + freed
     log.info("disk | need ~%s for %d rows | free %s", storage.format_bytes(need), rows_todo,
              storage.format_bytes(free))  # fmt: skip
     if need > free:

@@ -201,10 +201,23 @@ class Servers:
             self.models[url] = self.clients[url].models.list().data[0].id
         return self.models[url]
 
-    def none_left(self, sample_id: str) -> NoServerLeft:
+    def check_one_answers(self) -> None:
+        """At least one listed server lists its model, else NoServerLeft naming each and why: asked before
+        the run writes anything, so a run refused for want of servers leaves no trace."""
+        import openai
+
+        for url in self.urls:
+            try:
+                self.model(url)
+            except (openai.APIError, OSError, TimeoutError, IndexError) as e:
+                self.failed(url, f"{type(e).__name__}: {str(e)[:200]}")
+        if len(self.dead) == len(self.urls):
+            raise self.none_left("at the start (nothing was written)")
+
+    def none_left(self, where: str) -> NoServerLeft:
         why = "; ".join(f"{u} ({self.dead.get(u, (0, 'not tried'))[1]})" for u in self.urls)
         return NoServerLeft(
-            f"online: no vLLM server left for sample {sample_id!r}: {why}; start them again "
+            f"online: no vLLM server left {where}: {why}; start them again "
             "(04_train.py --serve-line prints the command) and rerun this command: it resumes"
         )
 
@@ -241,7 +254,7 @@ class StateClient:
                 continue
             self.servers.answered(url)
             return states
-        raise self.servers.none_left(sample_id)
+        raise self.servers.none_left(f"for sample {sample_id!r}")
 
     def _ask(self, url: str, sample_id: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         with self.setup_lock:  # once, from whichever request thread comes first (Mooncake connects here)
@@ -351,6 +364,7 @@ class OnlineSource:
     def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path):
         self.cfg = cfg
         self.client = StateClient(cfg, meta, out_dir)
+        self.client.servers.check_one_answers()  # before the cache folder is made
         self.cache = None
         if cfg.cache_dir and cfg.cache_gb > 0:
             dtype = state_dtype.resolve_storage_dtype(cfg.cache_dtype, torch.float32)

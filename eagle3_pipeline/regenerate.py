@@ -247,22 +247,23 @@ def run(cfg: RegenerateConfig) -> int:
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
                                          "rows_per_part", "data_split", "chat_template_kwargs")},
     }  # fmt: skip
-    parts.open_output(out_dir, cfg.overwrite, settings)
-    blocks = parts.blocks(0, total, cfg.rows_per_part)
-    todo = parts.todo(out_dir, blocks, _part)
-    log.info(
-        "regenerate %s: %d rows, %d parts, %d to do, engine %s",
-        data_path,
-        total,
-        len(blocks),
-        len(todo),
-        engine,
-    )
-    if todo:
-        gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
-        with gen_cls(verifier_path, cfg, stop_ids) as generator:
-            _run_parts(cfg, out_dir, todo, tokenizer, generator)
-    _finish(cfg, out_dir, blocks, settings, total)
+    with storage.overwriting(out_dir, cfg.overwrite):  # the old output stays until the new one is complete
+        parts.open_output(out_dir, cfg.overwrite, settings)
+        blocks = parts.blocks(0, total, cfg.rows_per_part)
+        todo = parts.todo(out_dir, blocks, _part)
+        log.info(
+            "regenerate %s: %d rows, %d parts, %d to do, engine %s",
+            data_path,
+            total,
+            len(blocks),
+            len(todo),
+            engine,
+        )
+        if todo:
+            gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
+            with gen_cls(verifier_path, cfg, stop_ids) as generator:
+                _run_parts(cfg, out_dir, todo, tokenizer, generator)
+        _finish(cfg, out_dir, blocks, settings, total)
     return 0
 
 

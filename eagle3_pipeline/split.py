@@ -47,9 +47,11 @@ def split_samples(
 
 def run(cfg: SplitConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    if not storage.prepare_output_dir(out_dir, cfg.overwrite):
+    if storage.is_complete(out_dir) and not cfg.overwrite:
+        storage.log_skip(out_dir)
         return 0
-    shard_set = open_shards(cfg.data_dir)
+    shard_set = open_shards(cfg.data_dir)  # the inputs are checked before anything is removed
+    storage.prepare_output_dir(out_dir, cfg.overwrite)
     train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
     tmp = storage.fresh_tmp_dir(out_dir)
     storage.write_json_atomic(

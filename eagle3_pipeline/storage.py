@@ -218,9 +218,9 @@ def clear_tmp(folder: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
-    """The settings an unfinished resumable output was started with: written the first time, and a resume
-    with other settings is refused naming them (its parts would not belong together)."""
+def check_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
+    """A resume with other settings than the unfinished output's is refused naming them (its parts would
+    not belong together); reads only."""
     if run_file.exists():
         before = read_json(run_file)
         if before != settings:
@@ -229,8 +229,19 @@ def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
                 f"{run_file.parent}: a run with other settings ({', '.join(changed)}) left it unfinished; "
                 "rerun with those settings to resume, or --overwrite to start over"
             )
-        return
-    write_json_atomic(run_file, settings)
+
+
+def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
+    """The settings an unfinished resumable output was started with: written the first time, checked
+    (check_run_settings) after."""
+    check_run_settings(run_file, settings)
+    if not run_file.exists():
+        write_json_atomic(run_file, settings)
+
+
+def tree_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
 def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
@@ -247,6 +258,31 @@ def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
         shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return True
+
+
+@contextlib.contextmanager
+def overwriting(out_dir: Path, overwrite: bool) -> Iterator[None]:
+    """--overwrite of an output built in place (stage 00's parts): the old one moved to a hidden sibling
+    `.<name>.old-<pid>` for the block; deleted when the block leaves the new one complete, put back (and
+    what the block wrote removed) when it does not: a failed overwrite loses nothing."""
+    if not (overwrite and out_dir.exists()):
+        yield
+        return
+    aside = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    os.replace(out_dir, aside)
+    logging.getLogger("eagle3.stage").info("--overwrite: the old %s is at %s until the new one is complete",
+                                           out_dir, aside)  # fmt: skip
+    try:
+        yield
+    finally:
+        if is_complete(out_dir):
+            shutil.rmtree(aside)
+        else:
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(aside, out_dir)
+            log = logging.getLogger("eagle3.stage")
+            log.warning("the new output is unfinished: the old one is back in %s", out_dir)
 
 
 def log_skip(out_dir: Path) -> None:

@@ -1,13 +1,14 @@
 """Stage 04: train the EAGLE-3 head with training-time test (TTT), resumable bit for bit.
 
 A run is set up in pieces, each readable on its own: the data (`open_data`), the draft's shape
-(`draft_spec`), the output folder and its resume check (`prepare_run_dir`), the model
-(`build_model`), the optimizer and the scheduler sized from the run's length (`build_optimizer`,
-schedule.py), the resume (`restore`), then the step loop (`train_loop`). Packing lives in packing.py,
-which micro-batches each rank trains at each step (every sample once an epoch, on any number of ranks)
-in epochs.py, the loss and validation metrics in train_metrics.py, torchrun plumbing (several nodes,
-a lost rank) in distributed.py, the choice of attention, loss and compile for the device in
-kernel_policy.py (recorded in meta.json under "kernels").
+(`draft_spec`), the resume check (`check_resume`), the model (`build_model`), the optimizer and the
+scheduler sized from the run's length (`build_optimizer`, schedule.py), the resume (`restore`), the
+online servers; only then the output folder (`RunDir`: a refused run writes nothing, and --overwrite keeps
+the old run until the new one's first checkpoint), then the step loop (`TrainLoop`). Packing lives in
+packing.py, which micro-batches each rank trains at each step (every sample once an epoch, on any number
+of ranks) in epochs.py, the loss, validation metrics and the Recipe a resume compares in
+train_metrics.py, torchrun plumbing (several nodes, a lost rank) in distributed.py, the choice of
+attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
 `ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
 With `states = "online"` the micro-batches are the same, their states asked of `vllm serve` processes
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,7 @@ from eagle3_pipeline.draft import (
     DraftSpec,
     attach_verifier_tensors,
     build_draft,
+    check_spec,
     spec_for_training,
     trainable_names,
 )
@@ -66,7 +70,8 @@ from eagle3_pipeline.vocab import load_mapping
 log = logging.getLogger("eagle3.train")
 
 # Fields of meta.json that must not change under a resume (bitwise-exact continuation needs them).
-RESUME_KEYS = ("draft", "vocab_mapping_sha256", "shards", "num_train", "ttt_steps", "recipe")
+# "recipe" is train_metrics.Recipe, compared field by field (check_resume).
+RESUME_KEYS = ("draft", "vocab_mapping_sha256", "shards", "num_train", "recipe")
 
 
 @dataclass
@@ -132,38 +137,68 @@ def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
     return spec_for_training(cfg, meta["verifier"], int(data.d2t.numel()), meta["aux_layer_ids"])
 
 
-def recipe_of(cfg: TrainConfig) -> dict[str, Any]:
-    """What changes the trained weights besides data and shapes (recorded; a resume must keep it)."""
-    keys = (
-        "lr", "lr_schedule", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay", "grad_clip",
-        "batch_tokens", "grad_accum", "ttt_step_loss_decay", "loss", "loss_on_all_tokens", "train_lm_head",
-        "state_noise", "seed",
-    )  # fmt: skip
-    return {k: getattr(cfg, k) for k in keys}
-
-
-def prepare_run_dir(cfg: TrainConfig, run_meta: dict[str, Any], dist: Dist) -> Path | None:
-    """Create (or clear with --overwrite) the run folder; the checkpoint to resume from, if any."""
+def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
+    """The checkpoint to resume from, if any (none with --overwrite), refused when the run folder's meta.json
+    records other RESUME_KEYS or another Recipe field (named, with the flag); reads only."""
     out_dir = Path(cfg.out_dir)
-    ckpt_root = checkpoint.root_of(out_dir)
-    resume_from = None if cfg.overwrite else checkpoint.latest(ckpt_root)
-    if dist.rank == 0:
-        if cfg.overwrite and out_dir.exists():
-            import shutil
-
-            shutil.rmtree(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        meta_path = out_dir / storage.META_NAME
-        if resume_from is not None and meta_path.exists():
-            old = storage.read_json(meta_path)
-            changed = [k for k in RESUME_KEYS if old.get(k) != run_meta[k]]
-            if changed:
-                raise UserError(
-                    f"{meta_path}: the checkpoints in {ckpt_root} were trained with other {', '.join(changed)}; "
-                    "an exact resume needs the same; use another --out-dir or --overwrite"
-                )
-        storage.write_json_atomic(meta_path, {**run_meta, **provenance(cfg)})
+    resume_from = None if cfg.overwrite else checkpoint.latest(checkpoint.root_of(out_dir))
+    meta_path = out_dir / storage.META_NAME
+    if resume_from is None or not meta_path.exists():
+        return resume_from
+    old = storage.read_json(meta_path)
+    changed = [k for k in RESUME_KEYS if k != "recipe" and old.get(k) != run_meta[k]]
+    before = old.get("recipe", {})
+    changed += [
+        f"--{k.replace('_', '-')} (was {before.get(k, 'not recorded')!r}, now {v!r})"
+        for k, v in run_meta["recipe"].items() if k not in before or before[k] != v
+    ]  # fmt: skip
+    if changed:
+        raise UserError(
+            f"{meta_path}: the checkpoints in {checkpoint.root_of(out_dir)} were trained with other "
+            f"{', '.join(changed)}; an exact resume needs the same; rerun with those settings, use another "
+            "--out-dir, or --overwrite"
+        )
     return resume_from
+
+
+class RunDir:
+    """The run folder, written only once every check has passed and every input is open (`open`).
+    --overwrite moves the old run to a hidden sibling `.<name>.old-<pid>`, deleted when the new run has
+    saved its first complete checkpoint (`kept`); a run that ends before that with an error or an interrupt
+    puts the old run back and leaves no folder it created (`close`; after a SIGKILL the old run is still
+    in its hidden sibling, named in the log). Rank 0 only."""
+
+    def __init__(self, out_dir: Path, overwrite: bool, rank: int):
+        self.out_dir, self.overwrite, self.rank0 = out_dir, overwrite, rank == 0
+        self.aside: Path | None = None
+        self.created = self.has_checkpoint = False
+
+    def open(self, meta: dict[str, Any]) -> None:
+        if not self.rank0:
+            return
+        if self.overwrite and self.out_dir.exists():
+            self.aside = self.out_dir.with_name(f".{self.out_dir.name}.old-{os.getpid()}")
+            os.replace(self.out_dir, self.aside)
+            log.info("--overwrite: the old run is at %s until the new run's first checkpoint", self.aside)
+        self.created = not self.out_dir.exists()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        storage.write_json_atomic(self.out_dir / storage.META_NAME, meta)
+
+    def kept(self) -> None:
+        """A complete checkpoint of the new run exists: the old run is not needed any more."""
+        self.has_checkpoint = True
+        if self.aside is not None:
+            shutil.rmtree(self.aside)
+            self.aside = None
+
+    def close(self) -> None:
+        if not self.rank0 or self.has_checkpoint:
+            return
+        if self.created and self.out_dir.exists():
+            shutil.rmtree(self.out_dir)
+        if self.aside is not None:
+            os.replace(self.aside, self.out_dir)
+            log.warning("the new run saved no checkpoint: the old run is back in %s", self.out_dir)
 
 
 def resolve_kernels(cfg: TrainConfig, device: torch.device) -> kernels.Kernels:
@@ -244,26 +279,23 @@ def restore(
 
 
 def run(cfg: TrainConfig) -> int:
+    """Every check and every input first (nothing written), then the run folder, then the steps."""
     trackers.check_loggers(cfg.loggers)  # an unknown or missing tracker stops the run before any work
     dist, device = init_distributed(cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed)
     kernels.check_loss(cfg.loss)
     data = open_data(cfg)
     spec = draft_spec(cfg, data)
+    check_spec(spec)
     verifier_path = Path(cfg.verifier_path or data.shard_set.meta["verifier"]["path"])
     plan = plan_run(cfg, data, dist)
     kern = resolve_kernels(cfg, device)
     run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
-    resume_from = check_run_dir(Path(cfg.out_dir), prepare_run_dir(cfg, run_meta, dist), dist)
+    resume_from = check_resume(cfg, run_meta)
     model, names = build_model(cfg, spec, data, verifier_path, device, kern)
     log.info("kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s", kern.attn_impl,
              cfg.loss, kern.loss_impl, "on" if kern.compile else "off",
              kern.length_buckets or kern.pad_multiple)  # fmt: skip
-    ddp_model = model
-    if dist.enabled:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
     params = [p for n, p in model.named_parameters() if n in names]
     if dist.rank == 0:
         checkpoint.check_space(
@@ -272,32 +304,49 @@ def run(cfg: TrainConfig) -> int:
     optimizer, scheduler = build_optimizer(cfg, params, plan)
     prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps, dist.world * cfg.grad_accum)
     if prog.step >= plan.total_steps:
-        log.info(
-            "skip: %s already reached step %d of %d (use --overwrite to retrain)",
-            cfg.out_dir,
-            prog.step,
-            plan.total_steps,
-        )
+        log.info("skip: %s already reached step %d of %d (use --overwrite to retrain)", cfg.out_dir,
+                 prog.step, plan.total_steps)  # fmt: skip
         return 0
+    online = _open_online(cfg, data)  # the servers asked before anything is written
     log.info("plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
              plan.total_steps, plan.steps_per_epoch, plan.warmup_steps, plan.eval_every, plan.save_every,
              cfg.lr, cfg.lr_schedule)  # fmt: skip
-    tracker = trackers.open_trackers(
-        cfg.loggers, Path(cfg.out_dir), config_to_dict(cfg), prog.step, dist.rank
-    )
-    loop = TrainLoop(
-        cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data, kern, tracker
-    )
+    run_dir = RunDir(Path(cfg.out_dir), cfg.overwrite, dist.rank)
+    run_dir.open({**run_meta, **provenance(cfg)})
     try:
-        code = loop.run(prog)
-    except RuntimeError as e:  # a rank lost (its node, its process): one line naming it, not a traceback
-        lost = lost_rank_error(e, dist, checkpoint.latest(checkpoint.root_of(Path(cfg.out_dir))))
-        if lost is None:
-            raise
-        raise lost from None
+        # every rank sees rank 0's run folder and its checkpoint (a folder local to each node is refused)
+        check_run_dir(Path(cfg.out_dir), resume_from, dist)
+        tracker = trackers.open_trackers(
+            cfg.loggers, Path(cfg.out_dir), config_to_dict(cfg), prog.step, dist.rank
+        )
+        ddp_model = model
+        if dist.enabled:
+            ddp_model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        loop = TrainLoop(cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data,
+                         kern, online, tracker, run_dir.kept)  # fmt: skip
+        try:
+            code = loop.run(prog)
+        except RuntimeError as e:  # a rank lost (its node, its process): one line naming it, not a traceback
+            lost = lost_rank_error(e, dist, checkpoint.latest(checkpoint.root_of(Path(cfg.out_dir))))
+            if lost is None:
+                raise
+            raise lost from None
+        finally:
+            tracker.close()
     finally:
-        tracker.close()
+        run_dir.close()
     return _finish(cfg, plan, dist, prog, code)
+
+
+def _open_online(cfg: TrainConfig, data: RunData) -> Any:
+    """With states = "online": the servers' client (one of them must answer) and the cache; else None."""
+    if cfg.states != "online":
+        return None
+    from eagle3_pipeline.online import OnlineSource
+
+    return OnlineSource(cfg, data.shard_set.meta, Path(cfg.out_dir))
 
 
 def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: Path, plan: Plan,
@@ -314,7 +363,7 @@ def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: P
         "num_val": len(data.val_refs),
         "train_lm_head": cfg.train_lm_head,
         "ttt_steps": cfg.ttt_steps,
-        "recipe": recipe_of(cfg),
+        "recipe": Recipe.of(cfg).to_json(),
         "plan": vars(plan),
         "kernels": kern.to_json(),
         "states": {"source": cfg.states, **({"servers": cfg.servers, "transfer": cfg.transfer}
@@ -356,20 +405,18 @@ class TrainLoop:
     scheduler: Any
     data: RunData
     kern: kernels.Kernels
+    online: Any = None  # online.OnlineSource with states = "online"
     tracker: trackers.Trackers = field(default_factory=trackers.Trackers)
+    on_saved: Any = None  # called after each complete checkpoint (RunDir.kept)
 
     def __post_init__(self) -> None:
-        self.online = None
-        if self.cfg.states == "online":
-            from eagle3_pipeline.online import OnlineSource
-
-            self.online = OnlineSource(self.cfg, self.data.shard_set.meta, Path(self.cfg.out_dir))
         self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
         self.recipe = Recipe.of(self.cfg)
         self.checkpoints = checkpoint.Checkpointer(
             checkpoint.root_of(Path(self.cfg.out_dir)), self.cfg.keep_last, self.plan.save_every,
             self.plan.total_steps, self.model, self.names, self.optimizer, self.scheduler, self.dist,
-            self.device, {"micro_batches_per_step": self.dist.world * self.cfg.grad_accum},
+            self.device, on_saved=self.on_saved,
+            facts={"micro_batches_per_step": self.dist.world * self.cfg.grad_accum},
         )  # fmt: skip
         self.val_loader = self._loader(
             rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,

@@ -8,7 +8,7 @@ that a greedy chain of ttt_steps drafts would yield; the best checkpoint is pick
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -30,24 +30,57 @@ DROPPED_LOGIT = -1e4
 
 @dataclass(frozen=True)
 class Recipe:
-    """What one forward optimises and validation reports: TTT depth, the per-step loss decay, the loss
-    (a speculators loss name or JSON weights, kernel_policy.loss_config), the k vLLM will serve with
-    (acceptance_length counts that many steps; None: all), and the served distribution the loss compares:
-    both logits / loss_temperature, the verifier's after top-p loss_top_p (1 and 1: speculators' plain
-    logits)."""
+    """Every setting that changes a run's samples, their order, its loss or its weights: what one forward
+    optimises and validation reports, and what a resume must find unchanged (train.check_resume compares
+    these fields one by one; a new field is compared as soon as it is added here). Field names are the
+    [train] keys. The forward reads TTT depth, the per-step loss decay, the loss (a speculators loss name or
+    JSON weights, kernel_policy.loss_config), the k vLLM will serve with (acceptance_length counts that many
+    steps; None: all), and the served distribution the loss compares: both logits / loss_temperature, the
+    verifier's after top-p loss_top_p (1 and 1: speculators' plain logits). The rest shape the samples and
+    the optimizer; None where only a forward is built (tests, benchmarks).
+
+    Deliberately not here: how the same maths is computed (dtype, attn_impl, loss_impl, compile: a run may
+    resume on another device; meta.json records them under "kernels"), where states come from (states,
+    servers, transfer, cache_*: the same states), the draft's shapes and the data (compared as meta.json's
+    "draft", "shards", "vocab_mapping_sha256"), and what only watches or keeps the run (log_every,
+    eval_every, save_every, keep_last, num_workers, loggers, prefetch and request settings)."""
 
     ttt_steps: int
-    decay: float
+    ttt_step_loss_decay: float
     loss: str
     served_k: int | None = None
     loss_temperature: float = 1.0
     loss_top_p: float = 1.0
+    # the samples and their order (split, shuffle, packing)
+    seed: int | None = None
+    val_ratio: float | None = None
+    val_max_samples: int | None = None
+    max_seq_len: int | None = None
+    batch_tokens: int | None = None
+    grad_accum: int | None = None
+    loss_on_all_tokens: bool | None = None
+    state_noise: float | None = None
+    # the optimizer, the schedule and its length, what it trains
+    epochs: int | None = None
+    max_steps: int | None = None
+    lr: float | None = None
+    lr_schedule: str | None = None
+    min_lr_ratio: float | None = None
+    warmup_ratio: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
+    grad_clip: float | None = None
+    train_lm_head: bool | None = None
 
     @classmethod
     def of(cls, cfg: Any) -> Recipe:
-        """The recipe of a TrainConfig."""
-        return cls(cfg.ttt_steps, cfg.ttt_step_loss_decay, cfg.loss, cfg.served_k, cfg.loss_temperature,
-                   cfg.loss_top_p)  # fmt: skip
+        """The recipe of a TrainConfig: each field read under its own name (val_ratio None with a split_dir:
+        the split is stage 03's then, and num_train compares it)."""
+        recipe = cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+        return replace(recipe, val_ratio=None) if getattr(cfg, "split_dir", None) else recipe
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
     def loss_config(self, kern: kernels.Kernels) -> dict[str, Any]:
         """speculators' loss_config for this recipe: its losses as they are, or (a served distribution)
@@ -105,7 +138,7 @@ def forward(
             position_ids=b["position_ids"],
             verifier_last_hidden_states=b["verifier_last"],
             ttt_steps=recipe.ttt_steps,
-            ttt_step_loss_decay=recipe.decay,
+            ttt_step_loss_decay=recipe.ttt_step_loss_decay,
             loss_config=recipe.loss_config(kern),
         )
     return value, metrics

@@ -49,9 +49,11 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.
 
 def run(cfg: VocabConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    if not storage.prepare_output_dir(out_dir, cfg.overwrite):
+    if storage.is_complete(out_dir) and not cfg.overwrite:
+        storage.log_skip(out_dir)
         return 0
-    shard_set = open_shards(cfg.data_dir)
+    shard_set = open_shards(cfg.data_dir)  # the inputs are checked before anything is removed
+    storage.prepare_output_dir(out_dir, cfg.overwrite)
     vocab_size = shard_set.meta["verifier"]["vocab_size"]
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for ids, mask in iter_part_tokens(shard_set.shards):

@@ -10,15 +10,13 @@ PY=${PYTHON:-.venv/bin/python}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 "$PY" -m eagle3_pipeline.tiny --from-config "$CONFIG"
-if grep -q '^\[regenerate\]' "$CONFIG"; then   # the verifier rewrites the assistant turns first
-  "$PY" 00_regenerate.py --config "$CONFIG"
-fi
-"$PY" 01_extract_hidden_states.py --config "$CONFIG"
-"$PY" 02_build_vocab_mapping.py --config "$CONFIG"
-"$PY" 03_split_data.py --config "$CONFIG"
-"$PY" 04_train.py --config "$CONFIG"
-"$PY" 05_export.py --config "$CONFIG"
-"$PY" 06_evaluate.py --config "$CONFIG" --engine sim
+for stage in $("$PY" -m eagle3_pipeline.cli stages); do   # 00_regenerate.py ... 06_evaluate.py (cli.STAGES)
+  case "$stage" in
+    00_regenerate.py) grep -q '^\[regenerate\]' "$CONFIG" || continue ;;  # the verifier rewrites the answers
+    06_evaluate.py) "$PY" "$stage" --config "$CONFIG" --engine sim; continue ;;  # no vLLM environment
+  esac
+  "$PY" "$stage" --config "$CONFIG"
+done
 # the baseline: the draft as training initialised it, exported beside the trained one, on the same prompts
 UNTRAINED=$("$PY" -m eagle3_pipeline.summary --config "$CONFIG" --untrained-dir)
 "$PY" 05_export.py --config "$CONFIG" --checkpoint init --out-dir "$UNTRAINED"

@@ -1,0 +1,61 @@
+"""One owner of the served mode (issue 28 item 3): stage 05 records how the export will be served
+(export_meta.json "served": draft_sample_method, temperature, top_p), and 06_evaluate.py --draft-dir D without
+--config evaluates it that way unless its command line says otherwise; the run scripts loop over the stage
+order that cli.py owns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import DATA, REPO, run_script, script
+from test_nothing_lost import _train_args
+
+from eagle3_pipeline.cli import STAGES
+
+
+@pytest.fixture(scope="module")
+def export(tiny_shards, tmp_path_factory) -> Path:
+    """A 2-step tiny run exported as thinking mode serves it: probabilistic drafting at 1.0 / 0.95."""
+    root = tmp_path_factory.mktemp("served")
+    run_script(*_train_args(tiny_shards, root / "run"))
+    run_script(script("05_export.py"), "--train-dir", str(root / "run"), "--out-dir", str(root / "draft"),
+               "--draft-sample-method", "probabilistic", "--temperature", "1.0",
+               "--top-p", "0.95")  # fmt: skip
+    served = json.loads((root / "draft" / "export_meta.json").read_text())["served"]
+    assert served == {"draft_sample_method": "probabilistic", "temperature": 1.0, "top_p": 0.95}
+    return root / "draft"
+
+
+def _evaluate(draft: Path, out: Path, *flags: str) -> dict:
+    run_script(script("06_evaluate.py"), "--draft-dir", str(draft), "--data-path",
+               str(DATA / "heldout_prompts.jsonl"), "--num-prompts", "1", "--max-new-tokens", "8",
+               "--out-dir", str(out), *flags)  # fmt: skip
+    (path,) = out.glob("acceptance_*.json")
+    return {"name": path.name, **json.loads(path.read_text())}
+
+
+def test_evaluate_without_config_serves_the_export_as_it_records(export, tmp_path):
+    result = _evaluate(export, tmp_path / "as_recorded")
+    assert result["name"] == "acceptance_sim_t1_p0.95_probabilistic.json"
+    assert (result["sampling"]["temperature"], result["sampling"]["top_p"]) == (1.0, 0.95)
+    assert result["config"]["draft_sample_method"] == "probabilistic"
+
+
+def test_the_command_line_wins_over_what_the_export_records(export, tmp_path):
+    result = _evaluate(export, tmp_path / "argmax", "--draft-sample-method", "greedy", "--top-p", "1.0")
+    assert result["name"] == "acceptance_sim_t1_p1.json"  # temperature still as recorded
+    assert result["config"]["draft_sample_method"] == "greedy"
+    greedy = _evaluate(export, tmp_path / "greedy", "--temperature", "0")
+    assert greedy["name"] == "acceptance_sim.json"
+
+
+def test_run_tiny_loops_over_the_stage_order_cli_owns():
+    """run_kimi_k25.sh keeps one line per stage: each has its own launch (the shard loop, torchrun)."""
+    listed = subprocess.run([sys.executable, "-m", "eagle3_pipeline.cli", "stages"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert listed == list(STAGES.values()) and listed[0] == "00_regenerate.py" and len(listed) == 7
+    assert "-m eagle3_pipeline.cli stages" in (REPO / "scripts" / "run_tiny.sh").read_text()
