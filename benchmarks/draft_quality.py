@@ -39,8 +39,9 @@ simulated). The verifier's sharpness (mean processed p(argmax) along its own tra
 setting. Results: docs/real_verifier_benchmark.md, for example
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/draft_quality.py --verifier smollm2 \
-        --work-dir /work/bench/smollm2 --threads 1 --num-train 160 --num-heldout 32 --regen-max-new-tokens 128 \
-        --max-new-tokens 48 --samples-per-prompt 1 --contexts short --vllm-ks 3 --full-vocab
+        --work-dir /work/bench/smollm2 --threads 1 --num-train 160 --num-heldout 32 \
+        --regen-max-new-tokens 128 --max-new-tokens 48 --samples-per-prompt 1 --contexts short \
+        --settings greedy thinking_prob --vllm-ks 3 --full-vocab
 """
 
 from __future__ import annotations
@@ -133,8 +134,11 @@ def build_data(work: Path, quick: bool, num_train: int | None = None, num_heldou
     return parts
 
 
-def build_verifier(work: Path, parts: dict, quick: bool, threads: int, kind: str = "trained-mla") -> dict[str, Any]:
-    """The verifier in <work>/verifier, cached: trained (trained_verifier.py) or SmolLM2 (real_verifier.py)."""
+def build_verifier(
+    work: Path, parts: dict, quick: bool, threads: int, kind: str = "trained-mla"
+) -> dict[str, Any]:
+    """The verifier in <work>/verifier, cached: trained (trained_verifier.py) or SmolLM2
+    (real_verifier.py)."""
     path = work / "verifier"
     if kind == "smollm2":
         import real_verifier
@@ -208,7 +212,8 @@ def project_train(
 ) -> Path:
     out = root / "runs" / run
     sh(["04_train.py", "--data-dir", str(root / "hidden_states"), "--split-dir", str(root / "split"),
-        "--vocab-mapping-dir", str(vocab_dir or root / "vocab"), "--out-dir", str(out), "--max-steps", str(steps),
+        "--vocab-mapping-dir", str(vocab_dir or root / "vocab"), "--out-dir", str(out),
+        "--max-steps", str(steps),
         "--batch-tokens", "1024", "--max-seq-len", "1024", "--dtype", "float32",
         "--num-attention-heads", str(hidden["heads"]), "--num-key-value-heads", str(hidden["kv_heads"]),
         "--intermediate-size", str(hidden["intermediate"]), "--max-position-embeddings", "2048",
@@ -327,15 +332,21 @@ class Evaluator:
 
         from eagle3_pipeline.acceptance import trace_length, verifier_trace_with_aux
 
-        key = setting_key(setting.removesuffix("_prob"), k)  # the requests are the same
+        # One trace per request, long enough for the largest k; a smaller k reads its prefix (greedy: the
+        # same argmax chain; sampled: the same seeded draws in the same order, so the same tokens).
+        longest = max(SERVED_KS)
+        key = setting_key(setting.removesuffix("_prob"), longest)  # the requests are the same
         if key not in self.traces:
             reqs, sampling = self.requests(setting), self.sampling(setting)
             self.traces[key] = reqs, [
-                verifier_trace_with_aux(self.model, self.capture, p, trace_length(self.max_new, k), sampling,
-                                        torch.Generator().manual_seed(i))
+                verifier_trace_with_aux(self.model, self.capture, p, trace_length(self.max_new, longest),
+                                        sampling, torch.Generator().manual_seed(i))
                 for i, p in enumerate(reqs)
             ]  # fmt: skip
-        return self.traces[key]
+        reqs, traces = self.traces[key]
+        n = trace_length(self.max_new, k)
+        return reqs, [(seq[: len(p) + n], aux[: len(p) + n], None if probs is None else probs[:n])
+                      for p, (seq, aux, probs) in zip(reqs, traces)]  # fmt: skip
 
     def simulate(self, draft_dir: Path, setting: str, k: int) -> tuple[dict, list]:
         """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
@@ -419,13 +430,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--verifier", default="trained-mla", choices=["trained-mla", "smollm2"],
                    help="trained-mla: the trained DeepSeek-V3 verifier; smollm2: SmolLM2-135M-Instruct "
                         "(real_verifier.py, requirements-bench.txt)")
-    p.add_argument("--num-train", type=int, default=None, help="training conversations (default 400; --quick 160)")
+    p.add_argument("--num-train", type=int, default=None,
+                   help="training conversations (default 400; --quick 160)")
     p.add_argument("--num-heldout", type=int, default=None, help="held-out prompts (default 64; --quick 32)")
     p.add_argument("--regen-max-new-tokens", type=int, default=320, help="stage 00's --max-new-tokens")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="default 1024 (trained-mla, vocab 4096) / 8192 (smollm2, vocab 49,152)")
     p.add_argument("--full-vocab", action="store_true",
-                   help="also the thinking recipe with the full verifier vocabulary as draft vocabulary (simulated)")
+                   help="also the thinking recipe with the full verifier vocabulary as draft vocabulary "
+                        "(simulated)")
     p.add_argument("--sharpness-prompts", type=int, default=16,
                    help="held-out prompts of the verifier's sharpness measurement (0: skip)")
     p.add_argument("--work-dir", default=None, help="default outputs/draft_quality[_quick] (cached)")
@@ -480,15 +493,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     vcfg = vstats["config"]
     hidden = {"heads": vcfg["num_attention_heads"], "intermediate": vcfg["intermediate_size"],
               # the trained verifier's benchmark has always drafted with as many KV heads as heads
-              "kv_heads": vcfg["num_key_value_heads"] if a.verifier == "smollm2" else vcfg["num_attention_heads"]}
+              "kv_heads": vcfg["num_key_value_heads"] if a.verifier == "smollm2"
+              else vcfg["num_attention_heads"]}  # fmt: skip
     if a.verifier == "smollm2":
-        print(f"verifier: SmolLM2-135M-Instruct ({vstats['parameters'] / 1e6:.1f}M params, from {vstats['source']})")
+        print(f"verifier: SmolLM2-135M-Instruct ({vstats['parameters'] / 1e6:.1f}M params, "
+              f"from {vstats['source']})")
     else:
         print(f"verifier: {vstats['parameters'] / 1e6:.1f}M params | held-out next-token accuracy "
-              f"{vstats['heldout_next_token_accuracy']:.3f} vs bigram {vstats['bigram_heldout_next_token_accuracy']:.3f}")  # fmt: skip
+              f"{vstats['heldout_next_token_accuracy']:.3f} vs bigram "
+              f"{vstats['bigram_heldout_next_token_accuracy']:.3f}")  # fmt: skip
     engine = "hf" if a.no_vllm else "vllm"
-    regen = ["--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"), "--engine",
-             engine, "--max-new-tokens", str(a.regen_max_new_tokens), "--max-seq-len", "1024"]  # fmt: skip
+    regen = ["--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
+             "--engine", engine, "--max-new-tokens", str(a.regen_max_new_tokens),
+             "--max-seq-len", "1024"]  # fmt: skip
     t = time.time()
     sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
     phase("regenerate greedy", t)
@@ -500,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     aux_ids = aux_layer_ids(work, a.verifier)
     t = time.time()
     datasets = {
-        "given": prepare(work, "given", work / "data/given.jsonl", log, a.threads, draft_vocab, aux_ids=aux_ids),
+        "given": prepare(work, "given", work / "data/given.jsonl", log, a.threads, draft_vocab,
+                         aux_ids=aux_ids),
         "regenerated": prepare(work, "regenerated", work / "data/regenerated/conversations.jsonl", log, a.threads,
                                draft_vocab, aux_ids=aux_ids),
         "regenerated_t1": prepare(work, "regenerated_t1", work / "data/regenerated_t1/conversations.jsonl", log,
@@ -531,8 +549,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         name, recipe = project_recipe(f"{a.project_run}_fullvocab", "regenerated_t1")
         run = project_train(root, name, steps, recipe, log, a.threads, hidden, vocab_dir)
         drafts["project full vocab/regenerated_t1"] = export(run, log, a.threads)
-        rows.append({"recipe": "project full vocab", "data": "regenerated_t1", "steps": steps, "ablation": True,
-                     "all_ks": True})  # fmt: skip
+        rows.append({"recipe": "project full vocab", "data": "regenerated_t1", "steps": steps,
+                     "ablation": True, "all_ks": True})  # fmt: skip
         phase("full-vocab row", t)
         t = time.time()
     stored = {"fp8": ("float8_e4m3fn", a.fp8), "bf16": ("bfloat16", a.bf16)}  # the recipe on other shards
@@ -599,20 +617,29 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
-            "/ablation" if row.get("ablation") and not row["recipe"].endswith((" shards", " full vocab")) else ""
+            "/ablation"
+            if row.get("ablation") and not row["recipe"].endswith((" shards", " full vocab"))
+            else ""
         )
         row["draft"] = str(drafts[key])
         row["sim"], row["greedy"] = {}, None
-        for ctx, st, k in grid if not row.get("ablation") or row.get("all_ks") else [("short", st, K) for st in settings]:
+        all_ks = not row.get("ablation") or row.get("all_ks")
+        for ctx, st, k in grid if all_ks else [("short", st, K) for st in settings]:
             if (row["draft"], ctx, st, k) not in done:
                 done[row["draft"], ctx, st, k] = evs[ctx].simulate(drafts[key], st, k)
+                res = done[row["draft"], ctx, st, k][0]
                 print(f"sim | {row['recipe']} | {row['data']} | {setting_key(st, k, ctx)} AL "
-                      f"{done[row['draft'], ctx, st, k][0]['mean_acceptance_length']:.3f}", flush=True)  # fmt: skip
+                      f"{res['mean_acceptance_length']:.3f} ± {res['al_standard_error']:.3f} | "
+                      f"{time.time() - t:.0f} s", flush=True)  # fmt: skip
             row["sim"][setting_key(st, k, ctx)], outputs = done[row["draft"], ctx, st, k]
             if st == "greedy" and k == K and ctx == "short":
                 row["greedy"] = outputs
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
     phase("simulation (traces + every draft)", t)
+    # the simulated results before vLLM starts (a run stopped while serving keeps them)
+    (work / "draft_quality_sim.json").write_text(json.dumps(
+        {"rows": [{x: v for x, v in r.items() if x != "greedy"} for r in rows], "sharpness": sharp,
+         "phase_seconds": phases}, indent=2))  # fmt: skip
     if not (a.no_vllm or a.sim_only):
         t = time.time()
         serve_in_vllm(work, rows, evs, a.max_new_tokens, a.vllm_ks, settings)
@@ -633,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "regen_max_new_tokens": a.regen_max_new_tokens,
         "epochs": a.epochs,
         "phase_seconds": phases,
-        "long_prompts": {"num": len(long), "tokens": [min(map(len, long)), max(map(len, long))] if long else []},
+        "long_prompts": {"num": len(long),
+                         "tokens": [min(map(len, long)), max(map(len, long))] if long else []},
         "max_new_tokens": a.max_new_tokens,
         "served_ks": list(SERVED_KS),
         "settings": {st: SETTINGS[st] for st in settings},
@@ -654,8 +682,9 @@ def _al(row: dict, engine: str, key: str) -> float | None:
 
 
 def _print_table(report: dict) -> None:
-    print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens"
-          " | cells: vLLM / simulated AL ± the simulation's standard error over requests")
+    print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x "
+          f"{report['max_new_tokens']} tokens | cells: vLLM / simulated AL ± the simulation's standard error "
+          "over requests")
     keys = [setting_key(st, k) for st in report["settings"] for k in SERVED_KS]
     keys += [setting_key(st, K, "long") for st in report["settings"] if "long" in report["contexts"]]
     print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")

