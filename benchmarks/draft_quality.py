@@ -439,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--full-vocab", action="store_true",
                    help="also the thinking recipe with the full verifier vocabulary as draft vocabulary "
                         "(simulated)")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="evaluate on the first N held-out prompts only (default all)")
+    p.add_argument("--report", default=None,
+                   help="report file name in the work dir (default draft_quality[_ablations].json); runs "
+                        "with different --headline / --settings on one work dir then keep their own")
     p.add_argument("--sharpness-prompts", type=int, default=16,
                    help="held-out prompts of the verifier's sharpness measurement (0: skip)")
     p.add_argument("--work-dir", default=None, help="default outputs/draft_quality[_quick] (cached)")
@@ -526,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     }  # fmt: skip
     phase("stages 01-03 (3 data sets)", t)
     t = time.time()
-    prompts = heldout_prompts(work)
+    prompts = heldout_prompts(work)[: a.eval_prompts]
     rows: list[dict[str, Any]] = []
     drafts: dict[str, Path] = {}
     for ds, root in datasets.items():
@@ -637,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
     phase("simulation (traces + every draft)", t)
     # the simulated results before vLLM starts (a run stopped while serving keeps them)
-    (work / "draft_quality_sim.json").write_text(json.dumps(
+    (work / f"{Path(a.report or 'draft_quality.json').stem}_sim.json").write_text(json.dumps(
         {"rows": [{x: v for x, v in r.items() if x != "greedy"} for r in rows], "sharpness": sharp,
          "phase_seconds": phases}, indent=2))  # fmt: skip
     if not (a.no_vllm or a.sim_only):
@@ -670,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "seconds": round(time.time() - t_start),
     }
     _print_table(report)
-    out = work / ("draft_quality_ablations.json" if a.ablations else "draft_quality.json")
+    out = work / (a.report or ("draft_quality_ablations.json" if a.ablations else "draft_quality.json"))
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     return 0
