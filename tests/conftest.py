@@ -6,6 +6,7 @@ subprocesses on configs/tiny.toml (paths moved under a temp folder), as a user w
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -78,6 +79,15 @@ def moved_config(src: Path, old_root: str, new_root: Path, out: Path, extra: str
     text = text.replace('"tests/data/', f'"{DATA}/')
     out.write_text(text + extra)
     return out
+
+
+@functools.cache
+def vllm_available() -> tuple[bool, str]:
+    """vllm_engine.available() probed once for the session's vLLM test files (each probe imports vLLM, about
+    10 s on these 2 cores)."""
+    from eagle3_pipeline import vllm_engine
+
+    return vllm_engine.available()
 
 
 @pytest.fixture(scope="session")

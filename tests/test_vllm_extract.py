@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVERSATIONS, extract_args, kill_when, popen_script, run_script
+from conftest import CONVERSATIONS, extract_args, kill_when, popen_script, run_script, vllm_available
 
 from eagle3_pipeline import vllm_engine
 
-OK, WHY = vllm_engine.available()
+OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
     if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1":
         raise RuntimeError(f"EAGLE3_REQUIRE_VLLM=1 but the vLLM environment is unusable: {WHY}")
@@ -120,7 +120,8 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
     from safetensors.torch import load_file
 
     wrong = {}
-    with vllm_engine.WorkerSession() as session:  # its connector's files go when it stops: read them first
+    # its connector's files go when it stops: read them first (available() was checked above)
+    with vllm_engine.WorkerSession(probe=False) as session:
         result = session.request(
             {
                 **fields,

@@ -25,11 +25,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVERSATIONS, REPO, extract_args, popen_script, read_jsonl, run_script, script
+from conftest import (
+    CONVERSATIONS, REPO, extract_args, popen_script, read_jsonl, run_script, script, vllm_available,
+)  # fmt: skip
 
 from eagle3_pipeline import vllm_engine
 
-OK, WHY = vllm_engine.available()
+OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
     if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1":
         raise RuntimeError(f"EAGLE3_REQUIRE_VLLM=1 but the vLLM environment is unusable: {WHY}")

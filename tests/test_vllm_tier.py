@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, run_script, run_tiny_pipeline, script
+from conftest import CONVERSATIONS, run_script, run_tiny_pipeline, script, vllm_available
 from sabotage import SABOTAGES
 
 from eagle3_pipeline import vllm_engine
 
-OK, WHY = vllm_engine.available()
+OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
     if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1":
         raise RuntimeError(f"EAGLE3_REQUIRE_VLLM=1 but the vLLM environment is unusable: {WHY}")
@@ -105,14 +105,33 @@ RUNS = {"llama": "tiny_llama.toml", "mla": "tiny_mla.toml"}
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def tier_run(request, tmp_path_factory) -> Path:
-    """scripts/run_tiny.sh on the run's config, plus the untrained (init) export beside it."""
+    """scripts/run_tiny.sh on the run's config; it exports the untrained (init) draft beside the trained
+    one (summary.untrained_dir: draft_init), the baseline the tests serve."""
     name = RUNS[request.param]
     root = run_tiny_pipeline(
         name, f"runs/{name.removesuffix('.toml')}", tmp_path_factory.mktemp(request.param)
     )
-    run_script(script("05_export.py"), "--config", str(root / name), "--checkpoint", "init",
-               "--out-dir", str(root / "draft_init"))  # fmt: skip
+    assert (root / "draft_init" / "config.json").is_file()
     return root
+
+
+@pytest.fixture(scope="module")
+def worker(tier_run):
+    """One vLLM worker for the tests of a verifier (vLLM imported once): it rebuilds its engine when a
+    request's engine settings (draft, draft_sample_method, ...) change, and reports counters per request
+    (the metrics' increase over that request's generate call, eagle3_vllm/worker.py)."""
+    with vllm_engine.WorkerSession(probe=False) as session:  # (available() checked above)
+        yield session
+
+
+def generate_in(
+    worker, verifier: Path, draft: Path, prompts, samplings=(None,), draft_sample_method: str = "greedy"
+) -> list[dict]:
+    """vllm_engine.generate_each's requests, one per sampling setting (None: greedy), in `worker`."""
+    fields = vllm_engine.generate_fields(
+        verifier, draft, prompts, MAX_NEW_TOKENS, K, False, draft_sample_method
+    )
+    return [worker.request({**fields, **vllm_engine.sampling_fields(s, len(prompts))}) for s in samplings]
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +222,8 @@ def test_vllm_acceptance_per_position_agrees_with_simulation(trained):
     assert trained["vllm"]["acceptance_rate_per_pos"][-1] > 0.4, trained["vllm"]
 
 
-def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts, trained):
-    untrained = vllm_engine.generate(
-        tier_run / "verifier", tier_run / "draft_init", prompts, MAX_NEW_TOKENS, K
-    )
+def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts, trained, worker):
+    (untrained,) = generate_in(worker, tier_run / "verifier", tier_run / "draft_init", prompts)
     print(f"\nuntrained draft: vLLM {untrained['mean_acceptance_length']:.3f}")
     assert untrained["outputs"] == trained["vllm"]["outputs"]  # lossless whatever the draft
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
@@ -217,7 +234,7 @@ THINKING = {"temperature": 1.0, "top_p": 0.95}  # Kimi-K2.5's thinking-mode samp
 
 
 @pytest.fixture(scope="module")
-def sampled(tier_run, prompts) -> dict:
+def sampled(tier_run, prompts, worker) -> dict:
     """The trained export served at temperature 0.01 and at Kimi's thinking settings in one vLLM engine,
     and the simulation counting over vLLM's outputs at both (06_evaluate --engine both does the same)."""
     from eagle3_pipeline.acceptance import Sampling
@@ -225,9 +242,7 @@ def sampled(tier_run, prompts) -> dict:
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     settings = {"cold": Sampling(0.01), "thinking": Sampling(**THINKING)}
-    served = vllm_engine.generate_each(
-        tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, list(settings.values())
-    )
+    served = generate_in(worker, tier_run / "verifier", tier_run / "draft", requests, list(settings.values()))
     out = {}
     for (name, sampling), vllm in zip(settings.items(), served):
         sim, _ = simulate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K,
@@ -286,11 +301,13 @@ SERVED_FAULTS = [f for f in sorted(SABOTAGES) if f not in UNMEASURABLE_HERE]
 
 
 @pytest.mark.parametrize("fault", SERVED_FAULTS)
-def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(tier_run, prompts, trained, fault, tmp_path):
+def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(
+    tier_run, prompts, trained, worker, fault, tmp_path
+):
     bad = SABOTAGES[fault](tier_run / "draft", tmp_path / fault)
     gate = run_script(script("05_export.py"), "--check", str(bad), check=False)
     assert gate.returncode == 2 and "export refused" in gate.stderr
-    served = vllm_engine.generate(tier_run / "verifier", bad, prompts, MAX_NEW_TOKENS, K)  # vLLM loads it
+    (served,) = generate_in(worker, tier_run / "verifier", bad, prompts)  # vLLM loads it
     print(
         f"\n{fault}: vLLM {served['mean_acceptance_length']:.3f} "
         f"(correct export {trained['vllm']['mean_acceptance_length']:.3f})"
@@ -316,9 +333,9 @@ def test_vllm_regeneration_equals_the_hf_engines_greedy_output(tier_run, tmp_pat
     assert sum(len(r["token_samples"]) for r in outs["vllm"]) >= 10
 
 
-def test_probabilistic_drafting_agrees_with_the_simulation_in_vllm(tier_run, prompts, sampled):
+def test_probabilistic_drafting_agrees_with_the_simulation_in_vllm(tier_run, prompts, sampled, worker):
     """vLLM's draft_sample_method "probabilistic" (the draft's draws tested with min(1, p/q)) at Kimi's
-    thinking settings (one more engine start per verifier): the simulation over vLLM's outputs agrees
+    thinking settings (one more engine per verifier, in its worker): the simulation over vLLM's outputs agrees
     within the noise of two sets of accept tests (evaluate.compare). Measured on the MLA verifier (this
     draft, 48 requests): vLLM 2.255, simulation 2.246; argmax drafting 2.291."""
     from eagle3_pipeline.acceptance import Sampling
@@ -326,10 +343,11 @@ def test_probabilistic_drafting_agrees_with_the_simulation_in_vllm(tier_run, pro
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     sampling = Sampling(**THINKING)
-    vllm = vllm_engine.generate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K,
-                                sampling=sampling, draft_sample_method="probabilistic")  # fmt: skip
-    sim, _ = simulate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K, sampling=sampling,
-                      replay=vllm["outputs"], draft_sample_method="probabilistic")  # fmt: skip
+    (vllm,) = generate_in(worker, tier_run / "verifier", tier_run / "draft", requests, [sampling],
+                          draft_sample_method="probabilistic")  # fmt: skip
+    sim, _ = simulate(tier_run / "verifier", tier_run / "draft", requests, MAX_NEW_TOKENS, K,
+                      sampling=sampling, replay=vllm["outputs"],
+                      draft_sample_method="probabilistic")  # fmt: skip
     print(f"\nprobabilistic drafting: vLLM {vllm['mean_acceptance_length']:.3f} | sim over vLLM's outputs "
           f"{sim['mean_acceptance_length']:.3f}")  # fmt: skip
     c = compare(sim, vllm, None, probabilistic=True)
