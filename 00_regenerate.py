@@ -24,12 +24,12 @@ Examples:
 
 import sys
 
-from eagle3_pipeline.cli import run_stage
+from eagle3_pipeline.core.cli import run_stage
 
 
 def main(argv=None) -> int:
     def body(cfg):
-        from eagle3_pipeline.regenerate import run
+        from eagle3_pipeline.data.regenerate import run
 
         return run(cfg)
 

@@ -53,17 +53,17 @@ Examples:
 
 import sys
 
-from eagle3_pipeline.cli import run_stage
+from eagle3_pipeline.core.cli import run_stage
 
 
 def main(argv=None) -> int:
     def body(cfg):
-        from eagle3_pipeline.extract import run
+        from eagle3_pipeline.data.extract import run
 
         return run(cfg)
 
     def plan(cfg, options, config_path):
-        from eagle3_pipeline.plan import plan_extract
+        from eagle3_pipeline.sizing.plan import plan_extract
 
         return plan_extract(cfg, options, config_path)
 

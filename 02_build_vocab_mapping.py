@@ -17,12 +17,12 @@ Examples:
 
 import sys
 
-from eagle3_pipeline.cli import run_stage
+from eagle3_pipeline.core.cli import run_stage
 
 
 def main(argv=None) -> int:
     def body(cfg):
-        from eagle3_pipeline.vocab import run
+        from eagle3_pipeline.data.vocab import run
 
         return run(cfg)
 

@@ -11,7 +11,7 @@ Kimi, never inherited from the verifier). Loss (--loss): cross-entropy on the ve
 draft vocab, since vLLM drafts the argmax (docs/results.md "Draft quality"); kl_div and speculators'
 others by name.
 Validation: acc/cond accuracy per TTT step and the simulated acceptance length, also before training.
-Kernels (--attn-impl, --loss-impl, --compile; eagle3_pipeline/kernel_policy.py): auto is flex attention, the
+Kernels (--attn-impl, --loss-impl, --compile; eagle3_pipeline/training/kernel_policy.py): auto is flex attention, the
 fused Triton loss and a compiled forward on CUDA, sdpa + eager loss uncompiled on CPU; meta.json records
 the choice under "kernels".
 Safe to interrupt: SIGTERM/SIGINT save a checkpoint and exit 130; rerunning the same command resumes
@@ -21,7 +21,7 @@ checkpoint stops the run with an error naming the file and the bytes (the unfini
 deleted; a rerun resumes from the last complete one); a run whose checkpoints would not fit does not start.
 --plan prints draft shapes, parameters, memory per GPU, steps per epoch and time, and runs nothing
 (the verifier's config.json is enough; token counts from the shards' manifests when they exist).
-Online states (--states online, eagle3_pipeline/online.py): --data-dir holds token shards (stage 01 with
+Online states (--states online, eagle3_pipeline/training/online.py): --data-dir holds token shards (stage 01 with
 --storage-dtype none) and running `vllm serve` processes (--servers) compute each sample's states while
 the draft trains; --serve-line prints the command that starts one. Nothing is written but the run
 folder (and --cache-dir, within --cache-gb); a dead server's requests go to the others.
@@ -42,17 +42,17 @@ Examples:
 
 import sys
 
-from eagle3_pipeline.cli import run_stage
+from eagle3_pipeline.core.cli import run_stage
 
 
 def main(argv=None) -> int:
     def body(cfg_args):
         cfg, args = cfg_args
         if args.serve_line:
-            from eagle3_pipeline.online import print_serve_line
+            from eagle3_pipeline.training.online import print_serve_line
 
             return print_serve_line(cfg)
-        from eagle3_pipeline.train import run
+        from eagle3_pipeline.training.train import run
 
         return run(cfg)
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         )
 
     def plan(cfg, options, config_path):
-        from eagle3_pipeline.plan import plan_train
+        from eagle3_pipeline.sizing.plan import plan_train
 
         return plan_train(cfg, options, config_path)
 

@@ -22,7 +22,7 @@ Examples:
 
 import sys
 
-from eagle3_pipeline.cli import run_stage, setup_logging
+from eagle3_pipeline.core.cli import run_stage, setup_logging
 
 
 def main(argv=None) -> int:
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         return check_only(argv[1:])
 
     def body(cfg):
-        from eagle3_pipeline.export import run
+        from eagle3_pipeline.export_eval.export import run
 
         return run(cfg)
 
@@ -42,13 +42,13 @@ def check_only(rest) -> int:
     import logging
     from pathlib import Path
 
-    from eagle3_pipeline.errors import UserError
+    from eagle3_pipeline.core.errors import UserError
 
     setup_logging()
     if len(rest) != 1:
         logging.getLogger("eagle3").error("usage: 05_export.py --check EXPORT_DIR")
         return 2
-    from eagle3_pipeline.export import check
+    from eagle3_pipeline.export_eval.export import check
 
     try:
         stats = check(Path(rest[0]))

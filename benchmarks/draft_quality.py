@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eagle3_pipeline.config import SERVED_MODES  # noqa: E402 - after the path
+from eagle3_pipeline.core.config import SERVED_MODES  # noqa: E402 - after the path
 
 K = 3  # the headline k; SERVED_KS are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5)
@@ -190,9 +190,9 @@ def full_vocab(root: Path, vocab_size: int, log: Path, threads: int) -> Path:
 
 def planned_steps(root: Path, epochs: int, batch_tokens: int) -> int:
     """The project's step count for `epochs` (04_train's plan), used for both recipes."""
-    from eagle3_pipeline.packing import micro_batches
-    from eagle3_pipeline.shards import open_shards
-    from eagle3_pipeline.split import load_split
+    from eagle3_pipeline.data.packing import micro_batches
+    from eagle3_pipeline.data.shards import open_shards
+    from eagle3_pipeline.data.split import load_split
 
     shard_set = open_shards([str(root / "hidden_states")], verify=False)
     train_refs, _ = load_split(root / "split", shard_set.samples)
@@ -245,7 +245,7 @@ def export(train_dir: Path, log: Path, threads: int) -> Path:
 def heldout_prompts(work: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.evaluate import build_prompts
+    from eagle3_pipeline.export_eval.evaluate import build_prompts
 
     tok = AutoTokenizer.from_pretrained(str(work / "verifier"))
     return build_prompts(tok, work / "data" / "heldout.jsonl", 0, 10**6)
@@ -302,7 +302,7 @@ class Evaluator:
                  samples_per_prompt: int = SAMPLES_PER_PROMPT):  # fmt: skip
         import torch
 
-        from eagle3_pipeline.verifier import (
+        from eagle3_pipeline.models.verifier import (
             AuxCapture,
             find_decoder_layers,
             load_verifier_model,
@@ -323,14 +323,14 @@ class Evaluator:
         return [p for p in self.prompts for _ in range(n)]
 
     def sampling(self, setting: str):
-        from eagle3_pipeline.acceptance import Sampling
+        from eagle3_pipeline.models.acceptance import Sampling
 
         return Sampling(**SETTINGS[setting])
 
     def trace(self, setting: str, k: int) -> tuple[list[list[int]], list[tuple]]:
         import torch
 
-        from eagle3_pipeline.acceptance import trace_length, verifier_trace_with_aux
+        from eagle3_pipeline.models.acceptance import trace_length, verifier_trace_with_aux
 
         # One trace per request, long enough for the largest k; a smaller k reads its prefix (greedy: the
         # same argmax chain; sampled: the same seeded draws in the same order, so the same tokens).
@@ -352,9 +352,9 @@ class Evaluator:
         """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
         import torch
 
-        from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, verify_pass
-        from eagle3_pipeline.evaluate import COIN_SEED
-        from eagle3_pipeline.reference_draft import ReferenceDraft
+        from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, verify_pass
+        from eagle3_pipeline.export_eval.evaluate import COIN_SEED
+        from eagle3_pipeline.models.reference_draft import ReferenceDraft
 
         draft = ReferenceDraft(draft_dir, self.embed)
         sampling = self.sampling(setting)
@@ -394,7 +394,7 @@ def serve_in_vllm(
     """The headline rows served in vLLM at every (context, setting, k), one worker session (an engine per
     draft and k; settings and prompts are per request); greedy outputs checked against the engine's plain
     greedy on the short prompts."""
-    from eagle3_pipeline.vllm_engine import WorkerSession, sampling_fields
+    from eagle3_pipeline.vllm_side.vllm_engine import WorkerSession, sampling_fields
 
     ev = evs.get("short")
     with WorkerSession(log_path=work / "vllm_worker.log") as session:
@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         row.pop("greedy")
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, threads {a.threads}",
-        "versions": __import__("eagle3_pipeline.storage", fromlist=["versions"]).versions(),
+        "versions": __import__("eagle3_pipeline.core.storage", fromlist=["versions"]).versions(),
         "verifier": {k: v for k, v in vstats.items() if k != "config"},
         "num_prompts": len(prompts),
         "contexts": a.contexts,

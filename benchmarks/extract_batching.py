@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
 
-from eagle3_pipeline.conversations import normalize_messages, read_rows, tokenize_conversation
-from eagle3_pipeline.extract import _forward_batched
-from eagle3_pipeline.tiny import build_verifier
-from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model
+from eagle3_pipeline.data.conversations import normalize_messages, read_rows, tokenize_conversation
+from eagle3_pipeline.data.extract import _forward_batched
+from eagle3_pipeline.models.tiny import build_verifier
+from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "conversations.jsonl"
 

@@ -39,8 +39,8 @@ import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 from pathlib import Path
-from eagle3_pipeline.extract import _forward_batched
-from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model
+from eagle3_pipeline.data.extract import _forward_batched
+from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model
 blocks = json.loads(Path(sys.argv[2]).read_text())
 t0 = time.perf_counter()
 model = load_verifier_model(Path(sys.argv[1]), torch.float32, False)
@@ -79,8 +79,8 @@ def _bare_blocks(verifier: Path, data: Path, rows_per_part: int, path: Path) -> 
     """The samples' token ids, part by part, as stage 01 builds them; their token count."""
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.conversations import read_rows
-    from eagle3_pipeline.samples import SampleOptions, block_samples
+    from eagle3_pipeline.data.conversations import read_rows
+    from eagle3_pipeline.data.samples import SampleOptions, block_samples
 
     tok = AutoTokenizer.from_pretrained(str(verifier))
     opts, seen, blocks = SampleOptions(1024, False, {}), {}, []
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="40 rows, one run of each (for iteration)")
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of the hf runs (default 1)")
-    p.add_argument("--arch", default="kimi_mla", help="tiny verifier (eagle3_pipeline/tiny.py --arch)")
+    p.add_argument("--arch", default="kimi_mla", help="tiny verifier (eagle3_pipeline/models/tiny.py --arch)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved; medians reported")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "extract_overhead.json"))
     a = p.parse_args(argv)
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
-    from eagle3_pipeline import vllm_engine
-    from eagle3_pipeline.config import ExtractConfig
-    from eagle3_pipeline.extract_vllm import engine_fields, vllm_version
-    from eagle3_pipeline.storage import versions
+    from eagle3_pipeline.vllm_side import vllm_engine
+    from eagle3_pipeline.core.config import ExtractConfig
+    from eagle3_pipeline.vllm_side.extract_vllm import engine_fields, vllm_version
+    from eagle3_pipeline.core.storage import versions
 
     report: dict = {
         "versions": {**versions(), "vllm": vllm_version(None) if "vllm" in a.engines else "not run"},
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp_path = Path(tmp)
         verifier = tmp_path / "verifier"
         subprocess.run(
-            [sys.executable, "-m", "eagle3_pipeline.tiny", "--arch", a.arch, "--out", str(verifier)],
+            [sys.executable, "-m", "eagle3_pipeline.models.tiny", "--arch", a.arch, "--out", str(verifier)],
             env=env,
             check=True,
             capture_output=True,

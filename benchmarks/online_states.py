@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3_pipeline import vllm_engine  # noqa: E402
+from eagle3_pipeline.vllm_side import vllm_engine  # noqa: E402
 
 TRAIN = ["--batch-tokens", "1024", "--num-attention-heads", "4", "--num-key-value-heads", "4",
          "--head-dim", "64", "--intermediate-size", "512", "--log-every", "5", "--eval-every", "100000",
@@ -76,9 +76,9 @@ def losses(run: Path) -> list[float]:
 
 
 def start_server(root: Path) -> tuple[subprocess.Popen, str, float]:
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.online import serve_argv
-    from eagle3_pipeline.shards import open_shards
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.online import serve_argv
+    from eagle3_pipeline.data.shards import open_shards
 
     cfg = TrainConfig(
         vocab_mapping_dir="v", out_dir="o", transfer_args=f"--hidden-states-path {root / 'served'}"
@@ -109,7 +109,7 @@ def main() -> int:
     ok, why = vllm_engine.available()
     if not ok:
         raise SystemExit(f"needs the vLLM environment (scripts/setup_vllm_cpu.sh): {why}")
-    from eagle3_pipeline.tiny import build_verifier
+    from eagle3_pipeline.models.tiny import build_verifier
 
     tmp = Path(tempfile.mkdtemp(prefix="online-bench-"))
     verifier = build_verifier("kimi_mla", tmp / "verifier")

@@ -105,8 +105,8 @@ def sharpness(
     Sampled traces: request i seeded i, `samples` per prompt, as the benchmark's evaluator draws them."""
     import torch
 
-    from eagle3_pipeline.acceptance import Sampling, replay_with_aux, verifier_trace_with_aux
-    from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model, verifier_facts
+    from eagle3_pipeline.models.acceptance import Sampling, replay_with_aux, verifier_trace_with_aux
+    from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model, verifier_facts
 
     facts = verifier_facts(verifier)
     model = load_verifier_model(verifier, torch.float32, trust_remote_code=False)

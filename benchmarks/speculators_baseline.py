@@ -30,12 +30,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eagle3_pipeline import checkpoint, storage  # noqa: E402
-from eagle3_pipeline.draft import DraftSpec  # noqa: E402
-from eagle3_pipeline.packing import micro_batches  # noqa: E402
-from eagle3_pipeline.shards import load_sample, open_shards  # noqa: E402
-from eagle3_pipeline.split import load_split  # noqa: E402
-from eagle3_pipeline.vocab import load_mapping  # noqa: E402
+from eagle3_pipeline.training import checkpoint  # noqa: E402
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.models.draft import DraftSpec  # noqa: E402
+from eagle3_pipeline.data.packing import micro_batches  # noqa: E402
+from eagle3_pipeline.data.shards import load_sample, open_shards  # noqa: E402
+from eagle3_pipeline.data.split import load_split  # noqa: E402
+from eagle3_pipeline.data.vocab import load_mapping  # noqa: E402
 
 
 def _patch_for_cpu() -> None:

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
 
-from eagle3_pipeline import storage
-from eagle3_pipeline.config import ExtractConfig, provenance
-from eagle3_pipeline.shards import MANIFEST_FILE, SHARD_FORMAT, finish_shard, open_shards, write_part
-from eagle3_pipeline.state_dtype import encode
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.config import ExtractConfig, provenance
+from eagle3_pipeline.data.shards import MANIFEST_FILE, SHARD_FORMAT, finish_shard, open_shards, write_part
+from eagle3_pipeline.data.state_dtype import encode
 
 HIDDEN, N_AUX = 256, 3
 BYTES_PER_TOKEN = (N_AUX + 1) * HIDDEN * 4 + 5  # fp32 states + input_ids + loss_mask

@@ -1,6 +1,6 @@
 """How the pipeline and the vLLM worker talk: standard library only, imported from both environments.
 
-A client (eagle3_pipeline/vllm_engine.py) starts `<vLLM env python> -m eagle3_vllm --session` (or a
+A client (eagle3_pipeline/vllm_side/vllm_engine.py) starts `<vLLM env python> -m eagle3_vllm --session` (or a
 server, `--serve HOST:PORT --request REQ.json`, for clients on this machine) and sends one JSON line per
 request: {"request": REQ.json, "out": OUT.json}, or {"start": REQ.json} to start that request's engine
 without running it. Each answer is one line MARK + JSON: {"out": ...}, {"started": seconds}, or

@@ -85,21 +85,21 @@ def moved_config(src: Path, old_root: str, new_root: Path, out: Path, extra: str
 def vllm_available() -> tuple[bool, str]:
     """vllm_engine.available() probed once for the session's vLLM test files (each probe imports vLLM, about
     10 s on these 2 cores)."""
-    from eagle3_pipeline import vllm_engine
+    from eagle3_pipeline.vllm_side import vllm_engine
 
     return vllm_engine.available()
 
 
 @pytest.fixture(scope="session")
 def tiny_verifier(tmp_path_factory) -> Path:
-    from eagle3_pipeline.tiny import build_verifier
+    from eagle3_pipeline.models.tiny import build_verifier
 
     return build_verifier("deepseek_v3", tmp_path_factory.mktemp("verifier") / "deepseek")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_verifier(tmp_path_factory) -> Path:
-    from eagle3_pipeline.tiny import build_verifier
+    from eagle3_pipeline.models.tiny import build_verifier
 
     return build_verifier("llama", tmp_path_factory.mktemp("verifier") / "llama")
 
@@ -161,8 +161,8 @@ def draft_spec(hidden_size: int, vocab_size: int, draft_vocab_size: int, aux_lay
                rms_norm_eps: float = 1e-6, **train: object):  # fmt: skip
     """The draft a run with these [train] settings builds over a verifier of these sizes: the one
     constructor the pipeline uses (draft.spec_for_training), so tests cannot drift from it."""
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.draft import spec_for_training
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.models.draft import spec_for_training
 
     cfg = TrainConfig(**{"vocab_mapping_dir": "v", "out_dir": "o", **train})
     verifier = {"hidden_size": hidden_size, "vocab_size": vocab_size, "rms_norm_eps": rms_norm_eps}

@@ -74,7 +74,7 @@ def build_kimi_tokenizer(out_dir: Path | None = None):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from eagle3_pipeline.tiny import byte_to_char
+    from eagle3_pipeline.models.tiny import byte_to_char
 
     vocab = {ch: b for b, ch in byte_to_char().items()}
     by_id = {i: t for t, i in IDS.items()}

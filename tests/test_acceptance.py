@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, trace_length
+from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, trace_length
 
 
 class _Cache:
@@ -77,7 +77,7 @@ def test_a_rejection_starts_the_next_step_after_the_verifiers_own_token():
 
 
 def test_processed_distribution_follows_vllms_top_k_top_p():
-    from eagle3_pipeline.acceptance import Sampling
+    from eagle3_pipeline.models.acceptance import Sampling
 
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     # ascending cumulative mass 0.05, 0.20, 0.50, 1.00: top_p 0.8 drops what is <= 0.2 -> {0.5, 0.3}
@@ -155,7 +155,7 @@ def test_replaying_vllms_sampled_outputs_gives_its_drafts_and_accepts_within_the
     """Counting over the outputs a rejection sampler showed gives its drafts exactly and its accepted
     counts up to the last step's unshown positions; the expected counts on the same steps differ from
     its realised ones by coin flips only (variance sum q(1-q))."""
-    from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence
+    from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence
 
     V, k, max_new, prompt = 6, 3, 12, [0, 1]
     P, f, verify = _bigram_world(V)
@@ -181,7 +181,7 @@ def test_replaying_vllms_sampled_outputs_gives_its_drafts_and_accepts_within_the
 def test_sampled_simulation_matches_vllms_rejection_sampler_in_expectation():
     """A bigram verifier P and a bigram draft f: the simulation's expected counts (and its realised
     ones) average to what vLLM's rejection sampler accepts, over many seeded requests."""
-    from eagle3_pipeline.acceptance import AcceptanceCounts, simulate_sequence, trace_length
+    from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, trace_length
 
     V, k, max_new, prompt, n = 6, 3, 12, [0, 1], 1500
     P, f, verify = _bigram_world(V)
@@ -261,7 +261,7 @@ def _vllm_probabilistic_sampling(P, Q, prompt, max_new, k, gen) -> tuple[int, li
 
 
 def _probabilistic_sim(P, Q, prompt, max_new, k, n):
-    from eagle3_pipeline.acceptance import AcceptanceCounts, Sampling, simulate_sequence, trace_length
+    from eagle3_pipeline.models.acceptance import AcceptanceCounts, Sampling, simulate_sequence, trace_length
 
     counts, coins = AcceptanceCounts(k), torch.Generator().manual_seed(99)
     for i in range(n):
@@ -302,7 +302,7 @@ def test_probabilistic_comparison_allows_vllm_the_drafts_past_each_outputs_end_a
     """vLLM counts the last step's drafts past max_tokens; over its outputs the simulation cannot judge
     them (unverifiable_per_pos). The third position's 28 of 928 (the tier's llama run) may add to vLLM's
     rate above the simulation's expectation; below it, and above that allowance, only noise is allowed."""
-    from eagle3_pipeline.evaluate import compare
+    from eagle3_pipeline.export_eval.evaluate import compare
 
     sim = {"acceptance_rate_per_pos": [0.80, 0.70, 0.60], "expected_variance_per_pos": [0.0, 0.0, 0.0],
            "unverifiable_per_pos": [0, 12, 28], "num_drafts": 928}  # fmt: skip

@@ -24,9 +24,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from eagle3_pipeline import config
-from eagle3_pipeline.cli import build_parser
-from eagle3_pipeline.config import (
+from eagle3_pipeline.core import config
+from eagle3_pipeline.core.cli import build_parser
+from eagle3_pipeline.core.config import (
     LOSS_NAMES,
     STAGE_CONFIGS,
     PlanOptions,
@@ -35,7 +35,7 @@ from eagle3_pipeline.config import (
     options_from_args,
     resolve_config,
 )
-from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}  # "plan": command line only

@@ -24,8 +24,8 @@ def kimi_spec():
 
 
 def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
-    from eagle3_pipeline.draft import build_draft
-    from eagle3_pipeline.export import expected_shapes, export_config, flat_weights
+    from eagle3_pipeline.models.draft import build_draft
+    from eagle3_pipeline.export_eval.export import expected_shapes, export_config, flat_weights
 
     spec = kimi_spec()
     with torch.device("meta"):
@@ -68,7 +68,7 @@ def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
 
 
 def test_head_dim_never_falls_back_to_hidden_over_heads():
-    from eagle3_pipeline.draft import build_draft, decoder_config
+    from eagle3_pipeline.models.draft import build_draft, decoder_config
 
     spec = kimi_spec()
     assert spec.hidden_size // spec.num_attention_heads == 112
@@ -80,7 +80,7 @@ def test_head_dim_never_falls_back_to_hidden_over_heads():
 
 
 def test_d2t_offsets_map_each_draft_id_to_its_target_id():
-    from eagle3_pipeline.vocab import draft_to_target, mappings, select_draft_vocab
+    from eagle3_pipeline.data.vocab import draft_to_target, mappings, select_draft_vocab
 
     counts = torch.zeros(50, dtype=torch.int64)
     counts[[40, 7, 33, 12, 3]] = torch.tensor([9, 9, 5, 1, 1])  # ties: 40 vs 7, 12 vs 3
@@ -96,7 +96,7 @@ def test_d2t_offsets_map_each_draft_id_to_its_target_id():
 def test_export_d2t_is_the_mapping_training_used(tiny_run):
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.vocab import draft_to_target
+    from eagle3_pipeline.data.vocab import draft_to_target
 
     exported = load_file(str(tiny_run / "draft" / "model.safetensors"))
     mapping = load_file(str(tiny_run / "vocab" / "vocab_mapping.safetensors"))
@@ -127,7 +127,7 @@ def test_gate_passes_the_good_export(tiny_run):
 
 def test_readback_under_vllm_rules_catches_a_missing_head_dim(tiny_run, tmp_path):
     """Even past the static checks, the read-back sees what vLLM would run: narrowed heads, other logits."""
-    from eagle3_pipeline.export import gate_samples, load_trained, readback_problems
+    from eagle3_pipeline.export_eval.export import gate_samples, load_trained, readback_problems
 
     _, meta, model, vt, _, _ = load_trained(tiny_run / "train", "best")
     samples = gate_samples(meta, 2)
@@ -141,7 +141,7 @@ def test_readback_under_vllm_rules_catches_a_missing_head_dim(tiny_run, tmp_path
 def test_wrong_shape_is_refused_before_writing(tiny_run, tmp_path):
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.export import static_problems
+    from eagle3_pipeline.export_eval.export import static_problems
 
     config = json.loads((tiny_run / "draft" / "config.json").read_text())
     tensors = load_file(str(tiny_run / "draft" / "model.safetensors"))
@@ -159,7 +159,7 @@ def test_wrong_d2t_offsets_or_dtype_are_refused(tiny_run):
     """A d2t that loads fine but maps one draft id to another target token is caught."""
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.export import static_problems
+    from eagle3_pipeline.export_eval.export import static_problems
 
     config = json.loads((tiny_run / "draft" / "config.json").read_text())
     tensors = load_file(str(tiny_run / "draft" / "model.safetensors"))
@@ -174,8 +174,8 @@ def test_wrong_d2t_offsets_or_dtype_are_refused(tiny_run):
 
 def test_verifier_tensors_load_through_the_index_whatever_the_prefix(tmp_path):
     """Kimi-K2.5 keeps its text weights under `language_model.`; only three tensors are read."""
-    from eagle3_pipeline.tiny import build_verifier
-    from eagle3_pipeline.verifier import load_verifier_tensors, verifier_facts
+    from eagle3_pipeline.models.tiny import build_verifier
+    from eagle3_pipeline.models.verifier import load_verifier_tensors, verifier_facts
 
     flat = build_verifier("deepseek_v3", tmp_path / "flat")
     nested = build_verifier("deepseek_v3", tmp_path / "nested", nest_as_kimi=True)
@@ -190,8 +190,8 @@ def test_verifier_tensors_load_through_the_index_whatever_the_prefix(tmp_path):
 
 def test_nested_kimi_style_verifier_gives_the_same_aux_states(tmp_path):
     """KimiK25ForConditionalGeneration wraps the text model (`text_config`, `language_model.` weights)."""
-    from eagle3_pipeline.tiny import build_verifier
-    from eagle3_pipeline.verifier import AuxCapture, find_decoder_layers, load_verifier_model
+    from eagle3_pipeline.models.tiny import build_verifier
+    from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model
 
     states = []
     for nest in (False, True):
@@ -207,7 +207,7 @@ def test_nested_kimi_style_verifier_gives_the_same_aux_states(tmp_path):
 
 
 def test_serve_line_fits_the_verifier(tmp_path):
-    from eagle3_pipeline.export import serve_line
+    from eagle3_pipeline.export_eval.export import serve_line
 
     plain, kimi = tmp_path / "llama", tmp_path / "kimi"
     for d in (plain, kimi):

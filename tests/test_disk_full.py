@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import CONVERSATIONS, REPO
 
-from eagle3_pipeline import storage
-from eagle3_pipeline.errors import DiskFull
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.errors import DiskFull
 
 
 def fill_disk_once(monkeypatch, when: Callable[[Path], bool]) -> list[Path]:
@@ -46,8 +46,8 @@ def leftovers(root: Path) -> list[Path]:
 def test_disk_full_during_extraction_then_rerun_is_byte_identical(
     tiny_verifier, tmp_path, monkeypatch, full_at
 ):
-    from eagle3_pipeline import extract
-    from eagle3_pipeline.config import ExtractConfig
+    from eagle3_pipeline.data import extract
+    from eagle3_pipeline.core.config import ExtractConfig
 
     cfg = ExtractConfig(
         verifier_path=str(tiny_verifier), data_path=str(CONVERSATIONS), out_dir="hs", samples_per_file=4
@@ -72,7 +72,7 @@ def test_disk_full_during_extraction_then_rerun_is_byte_identical(
 
 
 def _train_cfg(shards: dict[str, Path], out: Path):
-    from eagle3_pipeline.config import TrainConfig
+    from eagle3_pipeline.core.config import TrainConfig
 
     section = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())["train"]
     return TrainConfig(**{
@@ -84,7 +84,7 @@ def _train_cfg(shards: dict[str, Path], out: Path):
 
 @pytest.fixture(scope="module")
 def straight_run(tiny_shards, tmp_path_factory) -> Path:
-    from eagle3_pipeline import train
+    from eagle3_pipeline.training import train
 
     out = tmp_path_factory.mktemp("straight") / "train"
     assert train.run(_train_cfg(tiny_shards, out)) == 0
@@ -94,7 +94,7 @@ def straight_run(tiny_shards, tmp_path_factory) -> Path:
 def test_disk_full_during_checkpoint_stops_training_and_rerun_resumes_identically(
     tiny_shards, straight_run, tmp_path, monkeypatch, caplog
 ):
-    from eagle3_pipeline import checkpoint, train
+    from eagle3_pipeline.training import checkpoint, train
 
     out = tmp_path / "train"
     hits = fill_disk_once(
@@ -116,8 +116,8 @@ def test_disk_full_during_checkpoint_stops_training_and_rerun_resumes_identicall
 def test_disk_full_during_export_keeps_the_good_export_and_rerun_is_byte_identical(
     straight_run, tmp_path, monkeypatch
 ):
-    from eagle3_pipeline import export
-    from eagle3_pipeline.config import ExportConfig
+    from eagle3_pipeline.export_eval import export
+    from eagle3_pipeline.core.config import ExportConfig
 
     out = tmp_path / "draft"
     cfg = ExportConfig(train_dir=str(straight_run), checkpoint="latest", out_dir=str(out), overwrite=True)
@@ -150,7 +150,7 @@ def test_disk_full_on_rank_0_stops_every_ddp_rank(tiny_shards, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(textwrap.dedent('''
         import errno, os
-        from eagle3_pipeline import storage
+        from eagle3_pipeline.core import storage
         real = storage._write_tmp
         def write(tmp, writer):
             if tmp.parent.name == "step_000004.tmp" and tmp.name == "state.pt.tmp":
@@ -182,8 +182,8 @@ def test_disk_full_on_rank_0_stops_every_ddp_rank(tiny_shards, tmp_path):
 FULL_FS_CHECK = """
 import sys, torch
 from pathlib import Path
-from eagle3_pipeline import storage
-from eagle3_pipeline.errors import DiskFull
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.errors import DiskFull
 d = Path(sys.argv[1])
 big = {"x": torch.zeros(1 << 20)}  # 4 MiB into a 1 MiB filesystem
 for name, write in [

@@ -8,7 +8,7 @@ import struct
 import torch
 from conftest import REPO, run_script, script
 
-from eagle3_pipeline import state_dtype
+from eagle3_pipeline.data import state_dtype
 
 # float8_e4m3fn keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself (half an ulp of
 # 2^-3); below the smallest normal (2^-6 of the scale) the step is 2^-9, so the error is at most 2^-10.
@@ -75,7 +75,7 @@ def _tensor_bytes(path) -> dict[str, int]:
 
 
 def test_fp8_shards_take_half_the_state_bytes_on_disk_and_load_back_close_to_float32(tiny_shards):
-    from eagle3_pipeline.shards import load_sample, open_shards
+    from eagle3_pipeline.data.shards import load_sample, open_shards
 
     sets = {dt: open_shards([str(tiny_shards[dt])]) for dt in ("float32", "float8_e4m3fn")}
     meta8 = sets["float8_e4m3fn"].meta

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import DATA, extract_args, read_jsonl, run_script, script, shard_of
 
-from eagle3_pipeline.conversations import RowRejected, normalize_messages, tokenize_conversation
+from eagle3_pipeline.data.conversations import RowRejected, normalize_messages, tokenize_conversation
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_shard_from_other_layer_ids_or_verifier_is_refused(tiny_run, tiny_llama_
 
 
 def test_truncate_keeps_a_long_row_and_token_rows_give_several_samples(tiny_verifier, tmp_path):
-    from eagle3_pipeline.shards import load_sample, open_shards
+    from eagle3_pipeline.data.shards import load_sample, open_shards
 
     long_answer = {"role": "assistant", "content": "A long answer. " * 60}  # 900 bytes: 900 tokens
     long_row = json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "Talk."}, long_answer]})
@@ -236,9 +236,9 @@ def test_truncate_keeps_a_long_row_and_token_rows_give_several_samples(tiny_veri
 
 
 def test_unexpected_error_in_one_row_is_a_reject_and_the_block_goes_on(monkeypatch, tokenizer, caplog):
-    from eagle3_pipeline import samples
-    from eagle3_pipeline.conversations import RawRow
-    from eagle3_pipeline.samples import SampleOptions
+    from eagle3_pipeline.data import samples
+    from eagle3_pipeline.data.conversations import RawRow
+    from eagle3_pipeline.data.samples import SampleOptions
 
     real = samples.row_samples
 

@@ -1,4 +1,4 @@
-"""Training kernels (eagle3_pipeline/kernel_policy.py): flex attention computes what sdpa computes on packed
+"""Training kernels (eagle3_pipeline/training/kernel_policy.py): flex attention computes what sdpa computes on packed
 documents at every TTT step, padding changes nothing, auto picks the CPU path, memory figures are
 the sizes of the tensors speculators builds, and a run records its choice in meta.json."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import draft_spec
 
-from eagle3_pipeline import kernel_policy as kernels
-from eagle3_pipeline.draft import build_draft
-from eagle3_pipeline.errors import UserError
+from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.models.draft import build_draft
+from eagle3_pipeline.core.errors import UserError
 
 TTT = 3
 PLAIN_NORMS = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False)
@@ -56,7 +56,7 @@ def _drafts(*attn: str) -> list:
 
 def _forward_per_step(model, batch: dict[str, torch.Tensor], k: kernels.Kernels, loss: str = "kl_div"):
     """(logits of every TTT step, loss, metrics) of one no-grad forward through train_metrics.forward."""
-    from eagle3_pipeline.train_metrics import Recipe, forward
+    from eagle3_pipeline.training.train_metrics import Recipe, forward
 
     logits: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
@@ -365,7 +365,7 @@ def test_an_unknown_loss_is_refused_before_any_data_is_read(tiny_run, tmp_path):
 
 
 def test_state_noise_is_relative_to_each_tokens_rms_seeded_and_touches_only_the_aux_states():
-    from eagle3_pipeline.train_metrics import with_state_noise
+    from eagle3_pipeline.training.train_metrics import with_state_noise
 
     batch = _packed_row()
     batch["hidden_states"][0, :100] *= 50.0  # tokens of very different scale
@@ -384,8 +384,8 @@ def test_a_full_vocabulary_draft_takes_the_verifiers_head_and_maps_ids_to_themse
     attaching the verifier's tensors and mapping ids must still work (both used to raise)."""
     import dataclasses
 
-    from eagle3_pipeline.draft import attach_verifier_tensors, build_draft
-    from eagle3_pipeline.vocab import draft_to_target, mappings
+    from eagle3_pipeline.models.draft import attach_verifier_tensors, build_draft
+    from eagle3_pipeline.data.vocab import draft_to_target, mappings
 
     spec = dataclasses.replace(SPEC, draft_vocab_size=SPEC.vocab_size)
     model = build_draft(spec)

@@ -93,8 +93,8 @@ def _single(shards: dict[str, Path], out: Path, *extra: str) -> str:
 
 def _expected_epoch(shards: dict[str, Path]) -> tuple[int, int]:
     """(training samples, packed positions they make) of the split the runs use, counted here."""
-    from eagle3_pipeline.shards import open_shards
-    from eagle3_pipeline.split import split_samples
+    from eagle3_pipeline.data.shards import open_shards
+    from eagle3_pipeline.data.split import split_samples
 
     train, _ = split_samples(open_shards([str(shards["float32"])], verify=False).samples, 0, 0.2)
     return len(train), sum(max(0, min(r.num_tokens, 1024) - 1) for r in train)
@@ -213,8 +213,8 @@ def test_the_slots_of_an_epoch_hold_each_micro_batch_once_and_weigh_a_step_by_it
 ):
     """Over every rank's slots, each micro-batch exactly once, in order; a step's real micro-batches over
     the ranks times 1 / loss_divisor each is the ranks' count (DDP's mean then is the mean of the real)."""
-    from eagle3_pipeline.epochs import EpochPlan
-    from eagle3_pipeline.shards import SampleRef
+    from eagle3_pipeline.training.epochs import EpochPlan
+    from eagle3_pipeline.data.shards import SampleRef
 
     refs = [[SampleRef("s", "p", i, f"id{i}", 10)] for i in range(batches)]
     plans = [EpochPlan(0, refs, world, r, grad_accum) for r in range(world)]
@@ -232,7 +232,7 @@ def test_the_slots_of_an_epoch_hold_each_micro_batch_once_and_weigh_a_step_by_it
 
 
 def test_a_gloo_error_names_the_lost_rank_and_other_errors_pass(tmp_path):
-    from eagle3_pipeline.distributed import Dist, lost_rank_error
+    from eagle3_pipeline.training.distributed import Dist, lost_rank_error
 
     hosts = [("node-0", ["10.0.0.1"]), ("node-1", ["10.0.0.2"]), ("node-1", ["10.0.0.2"]),
              ("node-2", ["10.0.0.3"])]  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 from conftest import run_script, script
 from test_resume import _flip_byte_in
 
-from eagle3_pipeline.train_metrics import Recipe
+from eagle3_pipeline.training.train_metrics import Recipe
 
 
 def _tree_hashes(root: Path) -> dict[str, str]:

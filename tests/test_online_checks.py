@@ -54,9 +54,9 @@ def test_token_shards_trained_as_states_shards_are_refused_with_the_fix(token_in
 
 
 def test_serve_line_asks_vllm_for_the_runs_layers_through_the_transfers_connector(token_inputs):
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.online import serve_line
-    from eagle3_pipeline.shards import open_shards
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.online import serve_line
+    from eagle3_pipeline.data.shards import open_shards
 
     meta = open_shards([str(token_inputs / "hs")]).meta
     proc = run_script(script("04_train.py"), "--data-dir", str(token_inputs / "hs"), "--vocab-mapping-dir",
@@ -95,7 +95,7 @@ def test_serve_line_asks_vllm_for_the_runs_layers_through_the_transfers_connecto
     moon = gpu_kv("mooncake", "--mooncake-master 10.0.0.1:50051")
     assert moon["kv_connector"] == "MooncakeHiddenStatesConnector"
     assert moon["kv_connector_extra_config"]["mooncake"]["master_server_address"] == "10.0.0.1:50051"
-    from eagle3_pipeline.errors import UserError
+    from eagle3_pipeline.core.errors import UserError
 
     with pytest.raises(UserError, match="not options of hs_connectors' file backend"):
         serve_line(TrainConfig(vocab_mapping_dir="v", out_dir="o", transfer_args="--mooncake-master x"), meta)
@@ -104,14 +104,14 @@ def test_serve_line_asks_vllm_for_the_runs_layers_through_the_transfers_connecto
 def test_transfers_are_hs_connectors_backends():
     from hs_connectors.transfer import HiddenStatesBackend
 
-    from eagle3_pipeline.config import TRANSFERS
+    from eagle3_pipeline.core.config import TRANSFERS
 
     assert set(TRANSFERS) == set(HiddenStatesBackend.registry)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
 def test_the_cache_never_exceeds_its_budget_and_returns_what_it_kept(tmp_path, dtype):
-    from eagle3_pipeline.online import StateCache
+    from eagle3_pipeline.training.online import StateCache
 
     g = torch.Generator().manual_seed(0)
     samples = {
@@ -135,7 +135,7 @@ def test_the_cache_never_exceeds_its_budget_and_returns_what_it_kept(tmp_path, d
     )
     reopened = StateCache(tmp_path / "c", budget, dtype, {"verifier": "x"})
     assert reopened.used == used  # a resumed run counts what is there
-    from eagle3_pipeline.errors import UserError
+    from eagle3_pipeline.core.errors import UserError
 
     with pytest.raises(UserError, match="another verifier"):
         StateCache(tmp_path / "c", budget, dtype, {"verifier": "y"})

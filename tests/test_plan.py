@@ -109,8 +109,8 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
 
 
 def _tiny_plan(tmp_path, text, serve_tp):
-    from eagle3_pipeline.config import PlanOptions, TrainConfig
-    from eagle3_pipeline.plan import Tokens, build, render
+    from eagle3_pipeline.core.config import PlanOptions, TrainConfig
+    from eagle3_pipeline.sizing.plan import Tokens, build, render
 
     d = tmp_path / "verifier"
     d.mkdir(exist_ok=True)
@@ -143,8 +143,8 @@ def test_kv_cache_numbers_come_from_the_verifier_config(tmp_path, tp):
 
 
 def test_kv_cache_tensor_parallel_size_is_the_exports_else_plan_gpus(tmp_path):
-    from eagle3_pipeline.config import PlanOptions
-    from eagle3_pipeline.plan import _serve_tp
+    from eagle3_pipeline.core.config import PlanOptions
+    from eagle3_pipeline.sizing.plan import _serve_tp
 
     toml = tmp_path / "c.toml"
     toml.write_text("[export]\nserve_tensor_parallel_size = 4\n")
@@ -201,9 +201,11 @@ def test_train_plan_counts_the_steps_training_runs(tiny_shards, tmp_path):
 def test_runs_that_would_not_fit_refuse_to_start_with_the_numbers(
     tiny_verifier, tiny_shards, tmp_path, monkeypatch
 ):
-    from eagle3_pipeline import extract, storage, train
-    from eagle3_pipeline.config import ExtractConfig, TrainConfig
-    from eagle3_pipeline.errors import UserError
+    from eagle3_pipeline.data import extract
+    from eagle3_pipeline.core import storage
+    from eagle3_pipeline.training import train
+    from eagle3_pipeline.core.config import ExtractConfig, TrainConfig
+    from eagle3_pipeline.core.errors import UserError
 
     monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
     cfg = ExtractConfig(
@@ -238,11 +240,11 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
     K/V cache would be off by more than the 15% allowed."""
     import torch
 
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.draft import build_draft, trainable_names
-    from eagle3_pipeline.kernel_policy import resolve
-    from eagle3_pipeline.plan import draft_report, memory_per_gpu
-    from eagle3_pipeline.train_metrics import Recipe, forward
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.models.draft import build_draft, trainable_names
+    from eagle3_pipeline.training.kernel_policy import resolve
+    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
+    from eagle3_pipeline.training.train_metrics import Recipe, forward
 
     plain = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False)
     spec = draft_spec(256, 320, 96, (2, 4, 5), num_attention_heads=4, num_key_value_heads=4, head_dim=128,
@@ -283,9 +285,9 @@ def test_plan_attention_memory_is_what_the_trainers_kernel_policy_resolves_and_c
     implementation kernel_policy.resolve picks on that device, at the plan's packed row and TTT steps."""
     import torch
 
-    from eagle3_pipeline import kernel_policy
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.plan import draft_report, memory_per_gpu
+    from eagle3_pipeline.training import kernel_policy
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
 
     settings = dict(batch_tokens=4096, max_seq_len=2048, ttt_steps=4, dtype="bfloat16", attn_impl=attn_impl)
     cfg = TrainConfig(**settings)
@@ -310,7 +312,7 @@ def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_s
     """A Kimi-sized checkpoint (its safetensors index's total_size: 640 GB, 80 GB per GPU at TP 8) beside
     the trainer of kimi_k25.toml: no room for a 4,096-token prefill's KV cache on an H200, room on a
     B200; the producers must deliver the trainer's tokens/s of bf16 states."""
-    from eagle3_pipeline import colocation
+    from eagle3_pipeline.sizing import colocation
 
     weights = 640 * 10**9
     (kimi_config_only / "model.safetensors.index.json").write_text(

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from conftest import REPO, read_jsonl, run_script, script
 
-from eagle3_pipeline.plots import png_series
+from eagle3_pipeline.training.plots import png_series
 
 TRAINING_PLOTS = ("loss", "accuracy", "acceptance_length", "lr")
 

@@ -44,7 +44,7 @@ def test_regenerated_completions_equal_the_verifiers_own_greedy_output(tiny_llam
 
     run_script(*_args(tiny_llama_verifier, _rows(tmp_path, 4), "regen"), cwd=tmp_path)
     out = read_jsonl(tmp_path / "regen" / "conversations.jsonl")
-    from eagle3_pipeline.conversations import normalize_messages
+    from eagle3_pipeline.data.conversations import normalize_messages
 
     source = [{"messages": normalize_messages(r)[1]} for r in read_jsonl(_rows(tmp_path, 4))]
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_verifier))

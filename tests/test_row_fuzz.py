@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kimi_fixture import build_kimi_tokenizer
 
-from eagle3_pipeline.conversations import read_rows
-from eagle3_pipeline.samples import SampleOptions, block_samples
+from eagle3_pipeline.data.conversations import read_rows
+from eagle3_pipeline.data.samples import SampleOptions, block_samples
 
 MAX_EXAMPLES = 40  # about 2-4 s per tokenizer on one CPU thread
 
@@ -22,7 +22,7 @@ MAX_EXAMPLES = 40  # about 2-4 s per tokenizer on one CPU thread
 def tokenizers(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.tiny import build_tokenizer
+    from eagle3_pipeline.models.tiny import build_tokenizer
 
     tiny_dir = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tokenizer(tiny_dir)

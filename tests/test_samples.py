@@ -8,8 +8,8 @@ import json
 import pytest
 from kimi_fixture import IDS, build_kimi_tokenizer, ids_of
 
-from eagle3_pipeline.conversations import RowRejected, normalize_row
-from eagle3_pipeline.samples import (
+from eagle3_pipeline.data.conversations import RowRejected, normalize_row
+from eagle3_pipeline.data.samples import (
     KimiK25Rules,
     SampleOptions,
     conversation_id,
@@ -80,7 +80,7 @@ def samples(tok, row, max_seq_len=4096, **kw):
 def test_fixture_detected_as_kimi_and_tiny_template_is_not(kimi, tmp_path):
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.tiny import build_tokenizer
+    from eagle3_pipeline.models.tiny import build_tokenizer
 
     build_tokenizer(tmp_path)
     assert KimiK25Rules.detect(kimi) is not None
@@ -485,8 +485,8 @@ def test_other_non_append_only_template_gets_one_sample_per_turn():
 
 
 def test_samples_of_one_row_land_on_one_side_of_the_split():
-    from eagle3_pipeline.shards import SampleRef
-    from eagle3_pipeline.split import split_samples
+    from eagle3_pipeline.data.shards import SampleRef
+    from eagle3_pipeline.data.split import split_samples
 
     refs = [
         SampleRef("s", "p", i, f"conv-{c}{'' if n == 0 else f'#{n + 1}'}", 10)

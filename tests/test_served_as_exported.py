@@ -14,7 +14,7 @@ import pytest
 from conftest import DATA, REPO, run_script, script
 from test_nothing_lost import _train_args
 
-from eagle3_pipeline.cli import STAGES
+from eagle3_pipeline.core.cli import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_command_line_wins_over_what_the_export_records(export, tmp_path):
 
 def test_run_tiny_loops_over_the_stage_order_cli_owns():
     """run_kimi_k25.sh keeps one line per stage: each has its own launch (the shard loop, torchrun)."""
-    listed = subprocess.run([sys.executable, "-m", "eagle3_pipeline.cli", "stages"], cwd=REPO,
+    listed = subprocess.run([sys.executable, "-m", "eagle3_pipeline.core.cli", "stages"], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     assert listed == list(STAGES.values()) and listed[0] == "00_regenerate.py" and len(listed) == 7
-    assert "-m eagle3_pipeline.cli stages" in (REPO / "scripts" / "run_tiny.sh").read_text()
+    assert "-m eagle3_pipeline.core.cli stages" in (REPO / "scripts" / "run_tiny.sh").read_text()

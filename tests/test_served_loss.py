@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_kernels import _drafts, _packed_row  # the kernel tests' draft and packed row
 
-from eagle3_pipeline import kernel_policy as kernels
-from eagle3_pipeline import train_metrics
-from eagle3_pipeline.acceptance import Sampling
-from eagle3_pipeline.train_metrics import Recipe, forward, served_targets
+from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.training import train_metrics
+from eagle3_pipeline.models.acceptance import Sampling
+from eagle3_pipeline.training.train_metrics import Recipe, forward, served_targets
 
 EAGER = kernels.Kernels("sdpa", "eager", False)
 INSTANT = Sampling(0.6, 0.95)  # Kimi-K2.5's instant mode: both knobs move the target

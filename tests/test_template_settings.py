@@ -8,9 +8,9 @@ import json
 import pytest
 from kimi_fixture import IDS, build_kimi_tokenizer
 
-from eagle3_pipeline import evaluate
-from eagle3_pipeline.cli import build_parser
-from eagle3_pipeline.config import (
+from eagle3_pipeline.export_eval import evaluate
+from eagle3_pipeline.core.cli import build_parser
+from eagle3_pipeline.core.config import (
     EvaluateConfig,
     ExportConfig,
     ExtractConfig,
@@ -18,8 +18,8 @@ from eagle3_pipeline.config import (
     TrainConfig,
     resolve_config,
 )
-from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.samples import SampleOptions, row_samples
+from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.samples import SampleOptions, row_samples
 
 ROWS = [
     {

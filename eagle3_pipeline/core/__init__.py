@@ -1,0 +1,1 @@
+"""Errors, output folders, stage configs and flags: what every stage shares."""

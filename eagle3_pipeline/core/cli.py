@@ -1,0 +1,144 @@
+"""What every stage script shares: its parser (the docstring is the manual), logging, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from eagle3_pipeline.core.config import (
+    STAGE_CONFIGS,
+    PlanOptions,
+    add_config_flags,
+    options_from_args,
+    resolve_config,
+)
+from eagle3_pipeline.core.errors import UserError
+
+log = logging.getLogger("eagle3")
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+# The pipeline's stages in order, owned here: scripts/run_tiny.sh loops over `python -m eagle3_pipeline.core.cli
+# stages`, and each stage's closing hint names the next (NEXT_STAGE).
+STAGES = {
+    "regenerate": "00_regenerate.py",
+    "extract": "01_extract_hidden_states.py",
+    "vocab": "02_build_vocab_mapping.py",
+    "split": "03_split_data.py",
+    "train": "04_train.py",
+    "export": "05_export.py",
+    "evaluate": "06_evaluate.py",
+}
+# What to run after each stage: the next script with the same --config, or with the flag that takes
+# this stage's output (stage 06 ends the pipeline: its JSON and plot are the result).
+NEXT_FLAGS = {
+    "regenerate": "--data-path {out}/conversations.jsonl",
+    "extract": "--data-dir {out} (after the last shard)",
+    "vocab": "--data-dir SHARDS, then 04_train.py --vocab-mapping-dir {out}",
+    "split": "--split-dir {out}",
+    "train": "--train-dir {out} --out-dir DRAFT",
+    "export": "--draft-dir {out} --data-path PROMPTS",
+}
+NEXT_STAGE = {
+    section: (script, NEXT_FLAGS[section]) for section, script in zip(STAGES, list(STAGES.values())[1:])
+}
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One plain line per event on stderr; only rank 0 speaks in a distributed run."""
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = "%(asctime)s %(levelname)s"
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        prefix += f" [rank {os.environ.get('RANK', '0')}]"
+    handler.setFormatter(logging.Formatter(prefix + " %(message)s", "%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level if is_rank0() else "WARNING")
+    for noisy in ("httpx", "openai", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel("WARNING")
+
+
+def build_parser(doc: str | None, section: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, STAGE_CONFIGS[section])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    return parser
+
+
+def run_stage(
+    doc: str | None,
+    section: str,
+    argv: list[str] | None,
+    body: Callable[[Any], int | None],
+    extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    plan: Callable[[Any, PlanOptions, str | None], int] | None = None,
+) -> int:
+    """Parse, resolve the config, run `body(cfg)`; a UserError is one line and exit status 2.
+
+    A stage that sizes a run passes `plan(cfg, options, config_path)`: `--plan` calls it instead.
+    """
+    parser = build_parser(doc, section)
+    if extra_args is not None:
+        extra_args(parser)
+    if plan is not None:
+        add_config_flags(parser.add_argument_group("plan (run nothing)"), PlanOptions, with_config=False)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = resolve_config(STAGE_CONFIGS[section], args, section)
+        options = options_from_args(PlanOptions, args) if plan is not None else None
+        if options is not None and options.plan:
+            return int(plan(cfg, options, args.config) or 0)
+        if extra_args is not None:
+            cfg = (cfg, args)
+        code = body(cfg)
+        if not code and not getattr(args, "serve_line", False):  # a printed command is the whole output
+            hint = next_step(section, cfg, args.config)
+            if hint:
+                log.info(hint)
+    except UserError as e:
+        log.error("error: %s", e)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+    return int(code or 0)
+
+
+def next_step(section: str, cfg: Any, config_path: str | None) -> str | None:
+    """The command to run next after a successful stage, or None after the last one."""
+    if section not in NEXT_STAGE:
+        return None
+    script, flags = NEXT_STAGE[section]
+    out = getattr(cfg[0] if isinstance(cfg, tuple) else cfg, "out_dir", None)
+    return f"next: python {script} " + (f"--config {config_path}" if config_path else flags.format(out=out))
+
+
+def progress(iterable: Any = None, **kw: Any) -> Any:
+    """tqdm that stays quiet when stderr is not a terminal or on ranks other than 0."""
+    from tqdm import tqdm
+
+    disable = not sys.stderr.isatty() or not is_rank0()
+    return tqdm(iterable, disable=disable, dynamic_ncols=True, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3_pipeline.core.cli stages`: the stage scripts in order, one a line (for run scripts)."""
+    parser = argparse.ArgumentParser(prog="python -m eagle3_pipeline.core.cli", description=main.__doc__)
+    parser.add_argument("what", choices=["stages"])
+    parser.parse_args(argv)
+    print("\n".join(STAGES.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

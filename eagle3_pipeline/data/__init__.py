@@ -1,0 +1,1 @@
+"""Conversations to samples to shards: stages 00-03."""

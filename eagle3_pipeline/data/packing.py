@@ -1,0 +1,104 @@
+"""Samples into packed micro-batches, shifted the way the draft serves; shared by training and export.
+
+Slot t of a sample gets the verifier's aux states at t, the embedding of token t+1 and RoPE position t,
+and learns the verifier's distribution at t+1 (vLLM's EAGLE-3 proposer, shared/reference contract 1).
+Several samples share one row; document ids keep their attention apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.shards import SampleRef, load_sample
+
+PACKED_KEYS = ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
+
+
+def pack(
+    samples: list[dict[str, torch.Tensor]], max_seq_len: int, loss_on_all_tokens: bool = False
+) -> dict[str, torch.Tensor]:
+    """Shift each sample to (aux_t, token_{t+1}, teacher_{t+1}, mask_{t+1}) and pack them in one row.
+
+    `loss_on_all_tokens` supervises prompt tokens too (the teacher is the verifier's distribution at
+    every position, not only where the assistant wrote).
+    """
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in PACKED_KEYS}
+    for doc, s in enumerate(samples):
+        n = min(len(s["input_ids"]), max_seq_len)
+        if n < 2:
+            continue
+        mask = s["loss_mask"][1:n].bool()
+        parts["hidden_states"].append(s["aux_hidden_states"][: n - 1].flatten(1).float())
+        parts["input_ids"].append(s["input_ids"][1:n].long())
+        parts["verifier_last"].append(s["last_hidden_state"][1:n].float())
+        parts["loss_mask"].append(torch.ones_like(mask) if loss_on_all_tokens else mask)
+        parts["document_ids"].append(torch.full((n - 1,), doc, dtype=torch.long))
+        parts["position_ids"].append(torch.arange(n - 1))
+    return {k: torch.cat(v)[None] for k, v in parts.items()}
+
+
+def pack_lengths(lengths: list[int], batch_tokens: int, max_seq_len: int) -> list[list[int]]:
+    """Greedy packing in the given order: indices of `lengths` per micro-batch of at most batch_tokens
+    tokens, each sample counted at most max_seq_len (longer ones are cut when loaded)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, length in enumerate(lengths):
+        n = min(length, max_seq_len)
+        if current and used + n > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def micro_batches(
+    samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+) -> list[list[SampleRef]]:
+    """A seeded shuffle of the samples, packed greedily into micro-batches of at most batch_tokens."""
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    order = torch.randperm(len(samples), generator=g).tolist()
+    packed = pack_lengths([samples[i].num_tokens for i in order], batch_tokens, max_seq_len)
+    return [[samples[order[j]] for j in batch] for batch in packed]
+
+
+ERROR_KEY = "error"  # a batch that could not be read carries only this: the UserError's message
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """Micro-batch i, loaded and packed (in DataLoader workers when there are any).
+
+    A UserError (a corrupt sample) comes back as `{ERROR_KEY: message}` rather than raised: raised in
+    a worker, the DataLoader would re-raise it wrapped in the worker's traceback text.
+    `raise_batch_errors` turns it back into the UserError in the training process.
+    """
+
+    def __init__(self, batches: list[list[SampleRef]], max_seq_len: int, loss_on_all_tokens: bool = False):
+        self.batches = batches
+        self.max_seq_len = max_seq_len
+        self.loss_on_all_tokens = loss_on_all_tokens
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        try:
+            samples = [load_sample(r) for r in self.batches[i]]
+        except UserError as e:
+            return {ERROR_KEY: str(e)}
+        return pack(samples, self.max_seq_len, self.loss_on_all_tokens)
+
+
+def raise_batch_errors(loader: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The loader's batches; a batch that failed to load stops the run with its UserError."""
+    for batch in loader:
+        if ERROR_KEY in batch:
+            raise UserError(batch[ERROR_KEY])
+        yield batch

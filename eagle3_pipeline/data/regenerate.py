@@ -1,0 +1,340 @@
+"""Stage 00: regenerate the assistant turns of conversations with the verifier itself.
+
+A draft learns the distribution it will be asked to predict at serving time: the verifier's own
+output. Public EAGLE-3 drafts (the EAGLE-3 paper; every public Kimi-K2.5 draft) train on responses
+the verifier regenerated; on the draft-quality benchmark it is the largest single lever (docs/results.md).
+
+Per row, the assistant turns are regenerated in order: turn i's prompt is the chat template rendered
+over the row up to i (earlier assistant turns already regenerated, the user turns kept) with the
+generation prompt, and its completion is what the verifier generates, up to and including its end
+token. Each row keeps the regenerated text in `messages` (for people and templates) and the exact
+token ids in `token_samples` ([{turn, prompt_ids, completion_ids, finish_reason}]), which stage 01
+uses verbatim, never re-rendered.
+
+Output (`<out_dir>/`): part-00000.jsonl ... (blocks of `rows_per_part` input rows, each written
+atomically: the unit of resume), run.json (settings a resume must match), then conversations.jsonl
+(all parts in order: stage 01's --data-path), rejects.jsonl, meta.json and COMPLETE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.data import parts
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.cli import progress
+from eagle3_pipeline.core.config import REGENERATE_ENGINES, RegenerateConfig, provenance
+from eagle3_pipeline.data.conversations import (
+    Conversation,
+    RawRow,
+    count_rows,
+    normalize_row,
+    read_rows,
+    render_ids,
+)
+from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.samples import accepted_rows
+from eagle3_pipeline.models.verifier import read_text_config
+
+log = logging.getLogger("eagle3.regenerate")
+
+OUTPUT_NAME = "conversations.jsonl"
+
+
+def resolve_engine(name: str, vllm_python: str | None) -> str:
+    from eagle3_pipeline.vllm_side import vllm_engine
+
+    if name not in REGENERATE_ENGINES:  # checked when parsed; a config built in code skips that
+        raise UserError(f"engine {name!r}: use one of {', '.join(REGENERATE_ENGINES)}")
+    if name != "auto":
+        return name
+    ok, _ = vllm_engine.available(vllm_python)
+    return "vllm" if ok else "hf"
+
+
+def end_token_ids(verifier_path: Path, tokenizer: Any) -> list[int]:
+    """The ids that end a turn: the tokenizer's eos and the checkpoint's generation_config eos."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = verifier_path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids:
+        raise UserError(f"{verifier_path}: no eos token id in the tokenizer or generation_config.json")
+    return sorted(ids)
+
+
+class HFGenerator:
+    """Batch-of-one generation with transformers (the CPU fallback; exact greedy)."""
+
+    def __init__(self, verifier_path: Path, cfg: RegenerateConfig, stop_ids: list[int]):
+        import torch
+
+        from eagle3_pipeline.models.verifier import load_verifier_model
+
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.model = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
+        self.cfg, self.stop_ids = cfg, stop_ids
+
+    def __enter__(self) -> HFGenerator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], max_new: list[int]) -> list[tuple[list[int], str]]:
+        import torch
+        from transformers import GenerationConfig
+
+        device = next(self.model.parameters()).device
+        out = []
+        for prompt, n in zip(prompts, max_new):
+            sample = self.cfg.temperature > 0
+            gen = GenerationConfig(
+                max_new_tokens=n,
+                do_sample=sample,
+                temperature=self.cfg.temperature if sample else None,
+                top_p=self.cfg.top_p if sample else None,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.stop_ids[0],
+            )
+            torch.manual_seed(self.cfg.seed)
+            with torch.no_grad():
+                ids = self.model.generate(torch.tensor([prompt], device=device), generation_config=gen)
+            completion = ids[0, len(prompt) :].tolist()
+            finish = "stop" if completion and completion[-1] in self.stop_ids else "length"
+            out.append((completion, finish))
+        return out
+
+
+class VLLMGenerator:
+    """One vLLM worker session for the whole run: the verifier loads once."""
+
+    def __init__(self, verifier_path: Path, cfg: RegenerateConfig, stop_ids: list[int]):
+        from eagle3_pipeline.vllm_side.vllm_engine import WorkerSession
+
+        self.session = WorkerSession(cfg.vllm_python)
+        self.verifier, self.cfg, self.stop_ids = verifier_path, cfg, stop_ids
+
+    def __enter__(self) -> VLLMGenerator:
+        self.session.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.session.__exit__(*exc)
+
+    def generate(self, prompts: list[list[int]], max_new: list[int]) -> list[tuple[list[int], str]]:
+        out: list[tuple[list[int], str]] = [([], "")] * len(prompts)
+        for n in sorted(set(max_new)):  # one request per distinct budget (usually one)
+            idx = [i for i, m in enumerate(max_new) if m == n]
+            res = self.session.request(
+                {
+                    "verifier": str(self.verifier),
+                    "draft": None,
+                    "prompts": [prompts[i] for i in idx],
+                    "max_new_tokens": n,
+                    "max_model_len": self.cfg.max_seq_len,  # capped at the verifier's max positions
+                    "ignore_eos": False,
+                    "stop_token_ids": self.stop_ids,
+                    "temperature": self.cfg.temperature,
+                    "top_p": self.cfg.top_p,
+                    "seed": self.cfg.seed,
+                    "trust_remote_code": self.cfg.trust_remote_code,
+                }
+            )
+            for i, ids, finish in zip(idx, res["outputs"], res["finish_reasons"]):
+                out[i] = (list(ids), finish)
+        return out
+
+
+def render_prompt(tokenizer: Any, conv: Conversation, turn: int, kwargs: dict[str, Any]) -> list[int]:
+    """The serving prompt of assistant turn `turn`: what vLLM renders for the turns before it."""
+    return render_ids(tokenizer, conv.messages[:turn], True, conv.tools, kwargs)
+
+
+def assistant_message(text: str) -> dict[str, Any]:
+    """A regenerated turn as a message: reasoning before `</think>` split out (the generation prompt of a
+    thinking template ends with `<think>`), so that later prompts render it as the template does history."""
+    reasoning, sep, answer = text.partition("</think>")
+    if sep:
+        return {
+            "role": "assistant",
+            "content": answer,
+            "reasoning_content": reasoning.removeprefix("<think>"),
+        }
+    return {"role": "assistant", "content": text}
+
+
+def regenerate_rows(
+    rows: list[tuple[int, Conversation]], tokenizer: Any, generator: Any, cfg: RegenerateConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(regenerated rows, rejects): all rows of a block advance one assistant turn per generate call."""
+    kwargs = cfg.chat_template_kwargs or {}
+    state = [{"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows]
+    rejects: list[dict[str, Any]] = []
+    while True:
+        pending, prompts, budgets = [], [], []
+        for s in state:
+            if s["turn"] is None:
+                continue
+            prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs)
+            room = cfg.max_seq_len - len(prompt)
+            if room < 2:  # no room for a reply: the row ends before this turn
+                s["conv"].messages = s["conv"].messages[: s["turn"]]
+                s["turn"] = None
+                continue
+            pending.append(s)
+            prompts.append(prompt)
+            budgets.append(min(cfg.max_new_tokens, room))
+        if not pending:
+            break
+        for s, prompt, (completion, finish) in zip(pending, prompts, generator.generate(prompts, budgets)):
+            i, msgs = s["turn"], s["conv"].messages
+            msgs[i] = assistant_message(tokenizer.decode(completion, skip_special_tokens=True))
+            s["samples"].append(
+                {"turn": i, "prompt_ids": prompt, "completion_ids": completion, "finish_reason": finish}
+            )
+            s["turn"] = _next(msgs, i + 1)
+    out = []
+    for s in state:
+        conv = s["conv"]
+        if not s["samples"]:
+            rejects.append({"row": s["row"], "reason": "no assistant turn whose prompt fits max_seq_len"})
+            continue
+        while conv.messages and conv.messages[-1]["role"] != "assistant":
+            conv.messages.pop()  # trailing user turns have no regenerated answer
+        row: dict[str, Any] = {"id": conv.row_id, "messages": conv.messages}
+        if conv.tools:
+            row["tools"] = conv.tools
+        out.append({**row, "token_samples": s["samples"]})
+    return out, rejects
+
+
+def _next(messages: list[dict[str, str]], start: int) -> int | None:
+    return next((i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"), None)
+
+
+def run(cfg: RegenerateConfig) -> int:
+    from transformers import AutoTokenizer
+
+    data_path, verifier_path, out_dir = Path(cfg.data_path), Path(cfg.verifier_path), Path(cfg.out_dir)
+    if not data_path.exists():
+        raise UserError(f"{data_path}: data not found (--data-path)")
+    if storage.is_complete(out_dir) and not cfg.overwrite:
+        storage.log_skip(out_dir)
+        return 0
+    tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
+    engine = resolve_engine(cfg.engine, cfg.vllm_python)
+    stop_ids = end_token_ids(verifier_path, tokenizer)
+    total = count_rows(data_path, cfg.data_split)
+    max_positions = read_text_config(verifier_path).get("max_position_embeddings") or cfg.max_seq_len
+    if cfg.max_seq_len > max_positions:
+        log.info(
+            "max_seq_len %d capped at the verifier's max_position_embeddings %d",
+            cfg.max_seq_len,
+            max_positions,
+        )
+        cfg = dataclasses.replace(cfg, max_seq_len=int(max_positions))
+    settings = {
+        "data_path": str(data_path.resolve()),
+        "verifier_path": str(verifier_path.resolve()),
+        "engine": engine,
+        "stop_token_ids": stop_ids,
+        **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
+                                         "rows_per_part", "data_split", "chat_template_kwargs")},
+    }  # fmt: skip
+    with storage.overwriting(out_dir, cfg.overwrite):  # the old output stays until the new one is complete
+        parts.open_output(out_dir, cfg.overwrite, settings)
+        blocks = parts.blocks(0, total, cfg.rows_per_part)
+        todo = parts.todo(out_dir, blocks, _part)
+        log.info(
+            "regenerate %s: %d rows, %d parts, %d to do, engine %s",
+            data_path,
+            total,
+            len(blocks),
+            len(todo),
+            engine,
+        )
+        if todo:
+            gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
+            with gen_cls(verifier_path, cfg, stop_ids) as generator:
+                _run_parts(cfg, out_dir, todo, tokenizer, generator)
+        _finish(cfg, out_dir, blocks, settings, total)
+    return 0
+
+
+def _conversation(raw: RawRow) -> Conversation:
+    conv = normalize_row(raw.value)
+    conv.row_id = conv.row_id if conv.row_id is not None else f"row-{raw.index}"
+    return conv
+
+
+def _part(n: int) -> str:
+    return f"part-{n:05d}.jsonl"
+
+
+def _run_parts(cfg: RegenerateConfig, out_dir: Path, todo: list, tokenizer: Any, generator: Any) -> None:
+    bar = progress(total=sum(b - a for _, (a, b) in todo), desc="regenerate", unit="row")
+    t0, done_rows, done_tokens = time.time(), 0, 0
+    try:
+        for n, (a, b) in todo:
+            rejects: list[dict[str, Any]] = []
+            raws = read_rows(Path(cfg.data_path), a, b, cfg.data_split)
+            rows = list(accepted_rows(raws, _conversation, rejects, cfg.data_path))
+            out, more = regenerate_rows(rows, tokenizer, generator, cfg)
+            rejects += more
+            lines = [json.dumps({"rejected": r}) for r in sorted(rejects, key=lambda r: r["row"])]
+            lines += [json.dumps(r) for r in out]
+            storage.write_bytes_atomic(out_dir / _part(n), ("\n".join(lines) + "\n").encode())
+            done_rows += b - a
+            done_tokens += sum(len(s["completion_ids"]) for r in out for s in r["token_samples"])
+            bar.update(b - a)
+            elapsed = time.time() - t0
+            log.info(
+                "part %05d | rows %d-%d | regenerated %d | rejected %d | new tok/s %.0f",
+                n, a, b, len(out), len(rejects), done_tokens / max(elapsed, 1e-9),
+            )  # fmt: skip
+    finally:
+        bar.close()
+
+
+def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[str, Any], total: int) -> None:
+    rows, rejects = [], []
+    for n in range(len(blocks)):
+        for line in (out_dir / _part(n)).read_text().splitlines():
+            obj = json.loads(line)
+            (rejects.append(obj["rejected"]) if "rejected" in obj else rows.append(line))
+    parts.check_every_row(out_dir, len(rows), len(rejects), total)
+    storage.write_bytes_atomic(out_dir / OUTPUT_NAME, ("\n".join(rows) + "\n").encode() if rows else b"")
+    parts.write_rejects(out_dir, rejects)
+    finishes: dict[str, int] = {}
+    tokens = 0
+    for line in rows:
+        for s in json.loads(line)["token_samples"]:
+            finishes[s["finish_reason"]] = finishes.get(s["finish_reason"], 0) + 1
+            tokens += len(s["completion_ids"])
+    storage.write_json_atomic(
+        out_dir / storage.META_NAME,
+        {
+            "stage": "00_regenerate",
+            **settings,
+            "num_rows": total,
+            "num_regenerated": len(rows),
+            "num_rejected": len(rejects),
+            "completion_tokens": tokens,
+            "finish_reasons": finishes,
+            "output": OUTPUT_NAME,
+            "sha256": storage.sha256_file(out_dir / OUTPUT_NAME),
+            **provenance(cfg),
+        },
+    )
+    storage.mark_complete(out_dir)
+    log.info(
+        "done %s | rows %d | regenerated %d | rejected %d | completion tokens %d | finish %s",
+        out_dir, total, len(rows), len(rejects), tokens, json.dumps(finishes),
+    )  # fmt: skip

@@ -1,0 +1,484 @@
+"""Stage 05: write the vLLM flat EAGLE-3 format and refuse any export vLLM would load but run wrong.
+
+Every silent failure mode of shared/reference/vllm-eagle3-contract.md section 3 is either made
+impossible by construction or caught by `gate` (which also runs on any folder: `05_export.py --check`):
+head_dim explicit and equal to training's; aux ids at top level and in eagle_config, equal to the
+extraction's; d2t int64 offsets equal to the vocab mapping; norm flags explicit; no `model.` prefix,
+no biases, no embed_tokens; every tensor's shape derived from the config; model_type llama; rope as
+trained. Finally the export is read back under vLLM's rules (reference_draft.py) and must reproduce the
+trained draft's logits on stored samples (tolerance below).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_pipeline.training import checkpoint
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.config import ExportConfig, provenance
+from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft
+from eagle3_pipeline.core.errors import DiskFull, UserError
+from eagle3_pipeline.data.packing import pack
+from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of
+from eagle3_pipeline.data.shards import load_sample, open_shards
+from eagle3_pipeline.models.verifier import load_verifier_tensors
+from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
+
+log = logging.getLogger("eagle3.export")
+
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_META = "export_meta.json"
+# Read-back tolerance. The export is bf16 (contract section 2) and training keeps fp32 weights, so logits
+# differ by bf16 rounding (relative 2^-8 per weight). Measured on the tiny smoke draft: top-1 agreement
+# 1.0 and normalised mean error ~0.003; a missing head_dim, missing d2t or wrong layer gives agreement
+# far below. Thresholds leave room for near-ties flipping under rounding.
+MIN_TOP1_AGREEMENT = 0.98
+MAX_NORMALISED_ERROR = 0.05
+# Norm flags vLLM reads from the draft config, each defaulting to false when absent (vLLM 0.32
+# llama_eagle3.py; norm_before_residual since EAGLE-3 support, the other three are read by 0.32, the
+# oldest version this project serves with): every one is written explicitly and checked.
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from config.json alone (contract section 2)."""
+    H = config["hidden_size"]
+    hd = config["head_dim"]
+    q = config["num_attention_heads"] * hd
+    kv = config["num_key_value_heads"] * hd
+    inter = config["intermediate_size"]
+    n_aux = len(config["eagle_aux_hidden_state_layer_ids"])
+    dv, v = config["draft_vocab_size"], config["vocab_size"]
+    shapes = {
+        "fc.weight": (H, n_aux * H),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (inter, H),
+        "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.mlp.down_proj.weight": (H, inter),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (dv, H),
+    }
+    if config.get("norm_before_fc"):
+        shapes["input_norm.weight"] = (n_aux * H,)
+    if config.get("fc_norm"):
+        shapes.update({f"fc_norm.{i}.weight": (H,) for i in range(n_aux)})
+    if dv != v:
+        shapes["d2t"] = (dv,)
+        shapes["t2d"] = (v,)
+    return shapes
+
+
+def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json for vLLM: every field that vLLM would otherwise default or guess, stated."""
+    ids = list(spec.aux_layer_ids)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "dtype": "bfloat16",
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": 1,
+        "hidden_act": spec.hidden_act,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "draft_vocab_size": spec.draft_vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": verifier_cfg.get("bos_token_id"),
+        "eos_token_id": verifier_cfg.get("eos_token_id"),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        # vLLM reads norm_before_fc from eagle_config first, then the top level: both, equal
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "use_aux_hidden_state": True,
+            "norm_before_fc": spec.norm_before_fc,
+        },
+        **{k: getattr(spec, k) for k in NORM_FLAGS},
+    }
+
+
+def flat_weights(
+    weights: dict[str, torch.Tensor], d2t: torch.Tensor, t2d: torch.Tensor, spec: DraftSpec
+) -> dict[str, torch.Tensor]:
+    """speculators names (`layers.0.*`) -> vLLM flat names (`midlayer.*`), bf16, + d2t/t2d."""
+    out = {}
+    for name, t in weights.items():
+        if name in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
+            continue
+        flat = "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+        out[flat] = t.detach().to(torch.bfloat16).contiguous()
+    if spec.draft_vocab_size != spec.vocab_size:
+        out["d2t"] = d2t.to(torch.int64)
+        out["t2d"] = t2d.to(torch.bool)
+    return out
+
+
+def static_problems(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], expect: dict[str, Any]
+) -> list[str]:
+    """Contract checks on config.json + tensors against what training did (`expect`)."""
+    p = _config_problems(config, expect["draft"])
+    if p:  # shapes need a sane config
+        return p
+    return _tensor_problems(config, tensors, expect)
+
+
+def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """config.json against the trained draft's spec: what vLLM reads and would get wrong silently."""
+    p: list[str] = []
+    if config.get("architectures") != ["LlamaForCausalLMEagle3"] or config.get("model_type") != "llama":
+        p.append(
+            "architectures must be [LlamaForCausalLMEagle3] with model_type llama (deepseek_v3 would be "
+            "rewritten into an MTP draft)"
+        )
+    if "head_dim" not in config:
+        p.append(
+            f"head_dim missing: vLLM would use hidden_size // num_attention_heads = "
+            f"{config.get('hidden_size', 0) // max(config.get('num_attention_heads', 1), 1)} and narrow the "
+            f"trained {spec['head_dim']}-wide heads silently"
+        )
+    elif config["head_dim"] != spec["head_dim"]:
+        p.append(f"head_dim {config['head_dim']} != trained {spec['head_dim']}")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top is None or nested is None:
+        p.append("eagle_aux_hidden_state_layer_ids must be written at top level and in eagle_config")
+    elif top != nested:
+        p.append(f"aux layer ids differ: top level {top} vs eagle_config {nested}")
+    if aux_layer_ids_of(config) != list(spec["aux_layer_ids"]):
+        p.append(
+            f"aux layer ids {aux_layer_ids_of(config)} != {list(spec['aux_layer_ids'])} used at extraction "
+            "(vLLM convention: id i = HF hidden_states[i])"
+        )
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "draft_vocab_size",
+        "rope_theta",
+        "rms_norm_eps",
+    ):
+        if config.get(key) != spec[key]:
+            p.append(f"{key} {config.get(key)!r} != trained {spec[key]!r}")
+    for key in NORM_FLAGS:
+        if key not in config:
+            p.append(
+                f"{key} missing: vLLM would take false; the draft was trained with {spec.get(key, False)}"
+            )
+        elif config[key] != spec.get(key, False):
+            p.append(f"{key} {config[key]!r} != trained {spec.get(key, False)!r}")
+    nested_fc = (config.get("eagle_config") or {}).get("norm_before_fc")
+    if nested_fc is not None and nested_fc != config.get("norm_before_fc"):
+        p.append(f"eagle_config.norm_before_fc {nested_fc!r} != top-level {config.get('norm_before_fc')!r}")
+    if config.get("rope_scaling") is not None:
+        p.append("rope_scaling must be null (training used plain RoPE)")
+    return p
+
+
+def _tensor_problems(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], expect: dict[str, Any]
+) -> list[str]:
+    """The tensors against the shapes a sane config.json gives and the vocab mapping trained with."""
+    p: list[str] = []
+    shapes = expected_shapes(config)
+    for name in tensors:
+        if name.startswith("model."):
+            p.append(f"{name}: `model.` prefix (vLLM expects flat names)")
+        elif name.endswith(".bias"):
+            p.append(f"{name}: bias tensors are dropped silently by vLLM")
+        elif name == "embed_tokens.weight":
+            p.append("embed_tokens shipped: vLLM shares the verifier's; omit it")
+        elif name not in shapes:
+            p.append(f"{name}: unexpected tensor")
+    for name, shape in shapes.items():
+        t = tensors.get(name)
+        if t is None:
+            p.append(
+                f"{name} missing"
+                + (
+                    " (vLLM keeps d2t at zeros: every draft token maps to the wrong target token)"
+                    if name == "d2t"
+                    else ""
+                )
+            )
+        elif tuple(t.shape) != shape:
+            p.append(f"{name}: shape {tuple(t.shape)} != {shape} from config.json")
+        elif name == "d2t" and t.dtype != torch.int64:
+            p.append(f"d2t dtype {t.dtype}, must be int64 offsets")
+        elif name not in ("d2t", "t2d") and t.dtype != torch.bfloat16:
+            p.append(f"{name}: dtype {t.dtype}, export is bfloat16")
+    if "d2t" in tensors and "d2t" in shapes and tensors["d2t"].shape == shapes["d2t"]:
+        if not torch.equal(tensors["d2t"].long(), expect["d2t"]):
+            p.append("d2t differs from the vocab mapping the draft was trained with")
+    if config["draft_vocab_size"] == config["vocab_size"] and "d2t" in tensors:
+        p.append("d2t present while draft_vocab_size == vocab_size (vLLM fails to load it)")
+    return p
+
+
+def readback_problems(
+    export_dir: Path, model: Any, embed: torch.Tensor, samples: list[dict[str, torch.Tensor]], ttt_steps: int
+) -> tuple[list[str], dict[str, float]]:
+    """Logits of the export read as vLLM reads it vs the trained model's, at TTT steps 0 and 1."""
+    ref = ReferenceDraft(export_dir, embed)
+    captured: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
+    agree = total = 0
+    err_sum = scale_sum = 0.0
+    try:
+        for s in samples:
+            b = pack([s], max_seq_len=10**9)
+            captured.clear()
+            with torch.no_grad():
+                model(
+                    hidden_states=b["hidden_states"],
+                    input_ids=b["input_ids"],
+                    document_ids=b["document_ids"],
+                    position_ids=b["position_ids"],
+                    ttt_steps=min(2, ttt_steps),
+                )
+            T = b["input_ids"].shape[1]
+            out0, logits0, cache = ref.first_pass(
+                b["hidden_states"][0], b["input_ids"][0], b["position_ids"][0]
+            )
+            pairs = [(captured[0][0], logits0)]
+            if len(captured) > 1 and T > 2:  # step 1 at a few slots: chain on top of the first pass
+                slots = torch.linspace(0, T - 2, steps=min(8, T - 1)).long().unique()
+                got = []
+                for t in slots.tolist():
+                    _, lg, _ = ref.step(
+                        out0[t : t + 1],
+                        b["input_ids"][0, t + 1 : t + 2],
+                        b["position_ids"][0, t : t + 1] + 1,
+                        cache.truncate(t + 1),
+                    )
+                    got.append(lg[0])
+                pairs.append((captured[1][0][slots], torch.stack(got)))
+            for want, have in pairs:
+                want_t = draft_to_target(want.argmax(-1), model.d2t)
+                have_t = ref.to_target(have.argmax(-1))
+                agree += int((want_t == have_t).sum())
+                total += want_t.numel()
+                err_sum += float((want.float() - have).abs().mean()) * want_t.numel()
+                scale_sum += float(want.float().std()) * want_t.numel()
+    finally:
+        hook.remove()
+    stats = {
+        "top1_agreement": agree / max(total, 1),
+        "normalised_error": err_sum / max(scale_sum, 1e-12),
+        "positions": total,
+    }
+    p = []
+    if stats["top1_agreement"] < MIN_TOP1_AGREEMENT:
+        p.append(
+            f"read back under vLLM's rules, the export agrees with the trained draft on "
+            f"{stats['top1_agreement']:.3f} of target tokens (< {MIN_TOP1_AGREEMENT})"
+        )
+    if stats["normalised_error"] > MAX_NORMALISED_ERROR:
+        p.append(
+            f"read-back logits differ by {stats['normalised_error']:.3f} of their spread "
+            f"(> {MAX_NORMALISED_ERROR})"
+        )
+    return p, stats
+
+
+def load_trained(
+    train_dir: Path, which: str
+) -> tuple[Path | None, dict[str, Any], Any, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(checkpoint, train meta, model with weights, verifier tensors, d2t, t2d).
+
+    `which` = "init" gives the draft as training initialised it (same seed): the untrained baseline.
+    """
+    meta = storage.read_json(train_dir / storage.META_NAME)
+    ckpt = None if which == "init" else checkpoint.resolve(checkpoint.root_of(train_dir), which)
+    spec = DraftSpec.from_json(meta["draft"])
+    torch.manual_seed(meta["config"]["seed"])
+    vocab_meta, d2t, t2d = load_mapping(Path(meta["vocab_mapping_dir"]))
+    if vocab_meta["mapping_sha256"] != meta["vocab_mapping_sha256"]:
+        raise UserError(f"{meta['vocab_mapping_dir']}: vocab mapping changed since training (sha256 differs)")
+    model = build_draft(spec)
+    vt = load_verifier_tensors(
+        Path(meta["verifier_path"]), meta["source"]["verifier"].get("tie_word_embeddings", False)
+    )
+    attach_verifier_tensors(model, vt, t2d, d2t)
+    if ckpt is not None:
+        weights, _, _ = checkpoint.load(ckpt, with_state=False)
+        unknown = set(weights) - set(dict(model.named_parameters()))
+        if unknown:
+            raise UserError(f"{ckpt}: unknown tensors {sorted(unknown)}")
+        model.load_state_dict(weights, strict=False)
+    model.eval()
+    return ckpt, meta, model, vt, d2t, t2d
+
+
+def gate(
+    export_dir: Path,
+    model: Any,
+    meta: dict[str, Any],
+    embed: torch.Tensor,
+    d2t: torch.Tensor,
+    samples: list[dict[str, torch.Tensor]],
+) -> dict[str, Any]:
+    """Every check; raises UserError listing all problems. Returns the read-back statistics."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((export_dir / "config.json").read_text())
+    tensors = load_file(str(export_dir / WEIGHTS_FILE))
+    problems = static_problems(config, tensors, {"draft": meta["draft"], "d2t": d2t})
+    stats: dict[str, Any] = {}
+    if not problems:
+        problems, stats = readback_problems(export_dir, model, embed, samples, meta["ttt_steps"])
+    if problems:
+        raise UserError(f"{export_dir}: export refused:\n  - " + "\n  - ".join(problems))
+    return stats
+
+
+def gate_samples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
+    shard_set = open_shards(meta["shards"], verify=False)
+    return [load_sample(r) for r in shard_set.samples[:n]]
+
+
+def needs_remote_code(verifier_path: Path) -> bool:
+    """Whether the verifier ships its own code (an `auto_map` in config.json or tokenizer_config.json,
+    as Kimi-K2.5's config and tokenizer do): vLLM then needs --trust-remote-code to load it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        f = verifier_path / name
+        try:
+            if f.is_file() and json.loads(f.read_text()).get("auto_map"):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def serve_line(
+    verifier_path: str,
+    export_dir: Path,
+    k: int,
+    tensor_parallel_size: int = 0,
+    draft_sample_method: str = "greedy",
+) -> str:
+    """The `vllm serve` command for this export: tensor parallel over the GPUs visible here (or the
+    size given), --trust-remote-code only for a verifier that ships code, draft_sample_method only when it
+    is not vLLM's default."""
+    if tensor_parallel_size <= 0:
+        tensor_parallel_size = max(1, torch.cuda.device_count())
+    spec = {"method": "eagle3", "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+    if draft_sample_method != "greedy":
+        spec["draft_sample_method"] = draft_sample_method
+    remote = " --trust-remote-code" if needs_remote_code(Path(verifier_path)) else ""
+    return (
+        f"vllm serve {verifier_path} --tensor-parallel-size {tensor_parallel_size}{remote} \\\n"
+        f"  --speculative-config '{json.dumps(spec)}'"
+    )
+
+
+def run(cfg: ExportConfig) -> int:
+    import json
+    import shutil
+
+    out_dir = Path(cfg.out_dir)
+    if storage.is_complete(out_dir) and not cfg.overwrite:
+        log.info("skip: %s is a complete export (use --overwrite to replace it)", out_dir)
+        return 0
+    ckpt, meta, model, vt, d2t, t2d = load_trained(Path(cfg.train_dir), cfg.checkpoint)
+    spec = DraftSpec.from_json(meta["draft"])
+    vcfg = json.loads((Path(meta["verifier_path"]) / "config.json").read_text())
+    tmp = storage.fresh_tmp_dir(out_dir)
+    try:
+        stats, info, ckpt_name = _build(cfg, tmp, ckpt, meta, model, vt, d2t, t2d, spec, vcfg)
+    except DiskFull:  # the unfinished export never counts; free its space (a refused one stays to read)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    storage.publish_dir(tmp, out_dir)  # the old export is replaced only now, after the gate passed
+    log.info(
+        "done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
+        out_dir,
+        ckpt_name,
+        info["step"],
+        stats["top1_agreement"],
+        stats["normalised_error"],
+        stats["positions"],
+    )
+    print(
+        serve_line(
+            meta["verifier_path"],
+            out_dir,
+            cfg.num_speculative_tokens,
+            cfg.serve_tensor_parallel_size,
+            cfg.draft_sample_method,
+        )  # fmt: skip
+    )
+    return 0
+
+
+def _build(
+    cfg: ExportConfig,
+    tmp: Path,
+    ckpt: Path | None,
+    meta: dict[str, Any],
+    model: Any,
+    vt: dict[str, torch.Tensor],
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    spec: DraftSpec,
+    vcfg: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """config.json, weights and export_meta.json in `tmp`, behind the gate; (stats, checkpoint info, name)."""
+    import json
+
+    config = export_config(spec, vcfg.get("text_config") or vcfg)
+    storage.write_bytes_atomic(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    tensors = flat_weights(dict(model.named_parameters()), d2t, t2d, spec)
+    storage.save_safetensors_atomic(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+    stats = gate(tmp, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, cfg.gate_samples))
+    info = {"step": 0} if ckpt is None else json.loads((ckpt / "checkpoint.json").read_text())
+    ckpt_name = "init" if ckpt is None else ckpt.name
+    storage.write_json_atomic(
+        tmp / EXPORT_META,
+        {
+            "stage": "05_export",
+            "train_dir": str(Path(cfg.train_dir).resolve()),
+            "checkpoint": ckpt_name,
+            "step": info["step"],
+            "val": info.get("val"),
+            "draft": meta["draft"],
+            "verifier_path": meta["verifier_path"],
+            "vocab_mapping_sha256": meta["vocab_mapping_sha256"],
+            "readback": stats,
+            "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
+            # how it will be served: 06_evaluate.py evaluates it so unless its command line says otherwise
+            "served": {k: getattr(cfg, k) for k in ("draft_sample_method", "temperature", "top_p")},
+            **provenance(cfg),
+        },
+    )
+    return stats, info, ckpt_name
+
+
+def check(export_dir: Path, samples_n: int = 4) -> dict[str, Any]:
+    """The gate on an existing export folder (expectations from its export_meta.json)."""
+    emeta = storage.read_json(export_dir / EXPORT_META)
+    _, meta, model, vt, d2t, _ = load_trained(Path(emeta["train_dir"]), emeta["checkpoint"])
+    return gate(export_dir, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, samples_n))

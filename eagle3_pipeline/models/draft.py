@@ -1,0 +1,168 @@
+"""The EAGLE-3 draft: speculators' Eagle3DraftModel with a decoder config built field by field.
+
+Nothing is inherited from the verifier's config except hidden size, vocabulary size and norm epsilon:
+speculators 0.9.0 would take head_dim 64 from a native `kimi_k25` config (qk_rope_head_dim) and 112
+from the remote-code one, while the draft trains and serves with head_dim 128 (contract item 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from eagle3_pipeline.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """Every number that fixes the draft's tensors and maths; recorded in checkpoints and the export."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    norm_before_residual: bool
+    hidden_act: str = "silu"
+    # The other norm flags vLLM >= 0.32 honours (llama_eagle3.py); all false is the plain EAGLE-3 layout.
+    norm_before_fc: bool = False  # RMSNorm over concat(aux) before fc (weight input_norm.weight)
+    fc_norm: bool = False  # RMSNorm per aux state before fc (fc_norm.<i>.weight); excludes norm_before_fc
+    norm_output: bool = False  # the next draft step gets norm(out) instead of out
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DraftSpec:
+        return cls(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
+
+
+def spec_for_training(
+    train: Any, verifier: dict[str, Any], draft_vocab_size: int, aux_layer_ids: Any
+) -> DraftSpec:
+    """The draft a training run builds (stage 04) and its plan sizes: the shapes and norm flags of the
+    `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier."""
+    return DraftSpec(
+        hidden_size=int(verifier["hidden_size"]),
+        num_attention_heads=train.num_attention_heads,
+        num_key_value_heads=train.num_key_value_heads,
+        head_dim=train.head_dim,
+        intermediate_size=train.intermediate_size,
+        rms_norm_eps=float(verifier["rms_norm_eps"]),
+        rope_theta=train.rope_theta,
+        max_position_embeddings=train.max_position_embeddings,
+        vocab_size=int(verifier["vocab_size"]),
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=tuple(aux_layer_ids),
+        norm_before_residual=train.norm_before_residual,
+        norm_before_fc=train.norm_before_fc,
+        fc_norm=train.fc_norm,
+        norm_output=train.norm_output,
+    )
+
+
+def check_spec(spec: DraftSpec) -> None:
+    """The rules between the draft's settings (stage 04 checks them before it writes anything), naming the
+    [train] flags and the fix."""
+    if spec.num_attention_heads % spec.num_key_value_heads:
+        raise UserError(
+            f"--num-attention-heads {spec.num_attention_heads} must be a multiple of --num-key-value-heads "
+            f"{spec.num_key_value_heads} (grouped-query attention shares each key/value head among whole "
+            "groups); change either"
+        )
+    if spec.norm_before_fc and spec.fc_norm:
+        raise UserError(
+            "--norm-before-fc and --fc-norm are mutually exclusive (speculators and vLLM); add "
+            "--no-norm-before-fc to use --fc-norm"
+        )
+    if spec.head_dim % 2:
+        raise UserError(f"--head-dim {spec.head_dim} must be even (RoPE rotates pairs)")
+
+
+def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=1,
+        vocab_size=spec.vocab_size,
+        rms_norm_eps=spec.rms_norm_eps,
+        max_position_embeddings=spec.max_position_embeddings,
+        hidden_act=spec.hidden_act,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+    )
+    cfg._attn_implementation = attn_impl
+    if cfg.head_dim != spec.head_dim:  # guard against any library default creeping back in
+        raise RuntimeError(f"decoder config head_dim {cfg.head_dim} != {spec.head_dim}")
+    return cfg
+
+
+def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
+    """An Eagle3DraftModel on the current default device (use `torch.device('meta')` for shapes only)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    check_spec(spec)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=decoder_config(spec, attn_impl),
+        draft_vocab_size=spec.draft_vocab_size,
+        norm_before_residual=spec.norm_before_residual,
+        norm_before_fc=spec.norm_before_fc,
+        fc_norm=spec.fc_norm,
+        norm_output=spec.norm_output,
+        eagle_aux_hidden_state_layer_ids=list(spec.aux_layer_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        ),
+    )
+    return Eagle3DraftModel(config)
+
+
+def attach_verifier_tensors(
+    model: Any, tensors: dict[str, torch.Tensor], t2d: torch.Tensor, d2t: torch.Tensor
+) -> None:
+    """Shared embedding, teacher head/norm and the draft lm_head (the verifier's rows for the draft vocab)."""
+    spec_vocab, hidden = model.embed_tokens.weight.shape
+    if tuple(tensors["embed_tokens"].shape) != (spec_vocab, hidden):
+        raise UserError(
+            f"verifier embed_tokens has shape {tuple(tensors['embed_tokens'].shape)}, the draft "
+            f"expects {(spec_vocab, hidden)}"
+        )
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(tensors["embed_tokens"].float())
+        rows = tensors["lm_head"].float()[t2d]
+        model.lm_head.weight.copy_(rows)
+        model.verifier_lm_head.weight.copy_(rows)
+        model.verifier_norm.weight.copy_(tensors["norm"].float())
+        if model.d2t is not None:  # speculators keeps no mapping when the draft has the full vocab
+            model.d2t.copy_(d2t)
+            model.t2d.copy_(t2d)
+
+
+def trainable_names(model: Any, train_lm_head: bool) -> list[str]:
+    """fc, the decoder layer and the final norm; lm_head too when asked. Never the verifier's tensors."""
+    frozen = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    if not train_lm_head:
+        frozen.add("lm_head.weight")
+    return [n for n, _ in model.named_parameters() if n not in frozen]

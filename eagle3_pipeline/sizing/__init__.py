@@ -1,0 +1,1 @@
+"""--plan: disk, memory, KV cache and co-location of a run before it starts."""

@@ -1,0 +1,1 @@
+"""How the project talks to vLLM's own environment (eagle3_vllm) for generation and states."""

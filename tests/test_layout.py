@@ -1,0 +1,99 @@
+"""The package's layout holds: grouped by concern in layers (eagle3_pipeline.LAYERS), no import running
+back up a layer, no import circle, functions within 80 lines and classes within 150 (issue 28)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import eagle3_pipeline
+
+PKG = Path(eagle3_pipeline.__file__).parent
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 150
+# config schema classes: one field with its help text per setting, nothing else
+SCHEMA_CLASSES = {"TrainConfig", "ExtractConfig", "RegenerateConfig", "EvaluateConfig", "ExportConfig"}
+
+
+def _modules() -> dict[str, Path]:
+    """'group.module' -> file, for every module in a group folder."""
+    return {f"{p.parent.name}.{p.stem}": p for p in sorted(PKG.glob("*/*.py")) if p.stem != "__init__"}
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules `path` imports ('group.module'), at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3_pipeline."):
+            parts = node.module.split(".")
+            if len(parts) == 3:
+                names.append(".".join(parts[1:]))
+            else:
+                names += [f"{parts[1]}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            ours = [a.name for a in node.names if a.name.startswith("eagle3_pipeline.")]
+            names += [".".join(n.split(".")[1:3]) for n in ours]
+        found.update(n for n in names if n.count(".") == 1)
+    return found
+
+
+def test_every_module_sits_in_a_layer_group_and_the_package_root_holds_none():
+    assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py"]
+    groups = {p.parent.name for p in PKG.glob("*/__init__.py")}
+    assert groups == set(eagle3_pipeline.LAYERS)
+
+
+def test_no_import_runs_back_up_a_layer():
+    rank = {g: i for i, g in enumerate(eagle3_pipeline.LAYERS)}
+    modules = _modules()
+    upward = [
+        f"{name} imports {dep}"
+        for name, path in modules.items()
+        for dep in _imports(path)
+        if dep in modules and rank[dep.split(".")[0]] > rank[name.split(".")[0]]
+    ]
+    assert upward == []
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {n: {d for d in _imports(p) if d in modules and d != n} for n, p in modules.items()}
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                circles.append(stack[stack.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert circles == []
+
+
+def test_functions_and_classes_stay_short():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > MAX_FUNCTION_LINES:
+                long.append(f"{name}.{node.name}: {lines} lines")
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES and node.name not in SCHEMA_CLASSES:
+                long.append(f"{name}.{node.name}: {lines} lines")
+    assert long == []
+
+
+def test_the_import_checker_sees_an_upward_import(tmp_path):
+    """The checker itself: a module of `core` importing `training` is found (so the tests above can fail)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from eagle3_pipeline.training import train\nimport eagle3_pipeline.data.shards\n"
+                   "def f():\n    from eagle3_pipeline.sizing.plan import build\n")
+    assert _imports(bad) == {"training.train", "data.shards", "sizing.plan"}
