@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.models.verifier import load_verifier_tensors
+from eagle3_pipeline.models.verifier import draft_tensors_of, load_verifier_tensors
 
 
 def write_checkpoint(path, names):
@@ -50,3 +50,26 @@ def test_missing_norm_is_an_error_naming_it(tmp_path):
     write_checkpoint(tmp_path / "ckpt", names)
     with pytest.raises(UserError, match=r"not found: \['norm'\]"):
         load_verifier_tensors(tmp_path / "ckpt", tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_verifier_whose_config_ties_its_head_lends_the_embedding_as_lm_head(tmp_path, where):
+    """SmolLM2-style checkpoints ship no lm_head: the draft's head rows come from the embedding when the
+    verifier's config.json ties them (top level, or Kimi-style under text_config), and stages 04 and 05
+    read that from the verifier itself (the shards' contract does not record it)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"]
+    fill = write_checkpoint(tmp_path / "ckpt", names)
+    text = {"num_hidden_layers": 1, "hidden_size": 3, "vocab_size": 2, "tie_word_embeddings": True}
+    config = text if where == "top" else {"architectures": ["X"], "text_config": text}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    out = draft_tensors_of(tmp_path / "ckpt")
+    assert float(out["lm_head"][0, 0]) == float(out["embed_tokens"][0, 0]) == fill["model.embed_tokens.weight"]
+
+
+def test_an_untied_verifier_without_lm_head_is_an_error_naming_it(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", ["model.embed_tokens.weight", "model.norm.weight"])
+    (tmp_path / "ckpt" / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 1, "hidden_size": 3, "vocab_size": 2, "tie_word_embeddings": False})
+    )
+    with pytest.raises(UserError, match=r"not found: \['lm_head'\]"):
+        draft_tensors_of(tmp_path / "ckpt")

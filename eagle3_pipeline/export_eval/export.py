@@ -26,7 +26,7 @@ from eagle3_pipeline.core.errors import DiskFull, UserError
 from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of
 from eagle3_pipeline.data.shards import load_sample, open_shards
-from eagle3_pipeline.models.verifier import load_verifier_tensors
+from eagle3_pipeline.models.verifier import draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
 
 log = logging.getLogger("eagle3.export")
@@ -317,9 +317,7 @@ def load_trained(
     if vocab_meta["mapping_sha256"] != meta["vocab_mapping_sha256"]:
         raise UserError(f"{meta['vocab_mapping_dir']}: vocab mapping changed since training (sha256 differs)")
     model = build_draft(spec)
-    vt = load_verifier_tensors(
-        Path(meta["verifier_path"]), meta["source"]["verifier"].get("tie_word_embeddings", False)
-    )
+    vt = draft_tensors_of(Path(meta["verifier_path"]))  # (the shards' contract does not record the tie)
     attach_verifier_tensors(model, vt, t2d, d2t)
     if ckpt is not None:
         weights, _, _ = checkpoint.load(ckpt, with_state=False)

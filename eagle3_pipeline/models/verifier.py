@@ -196,6 +196,12 @@ _WANTED = {
 }
 
 
+def draft_tensors_of(path: Path) -> dict[str, torch.Tensor]:
+    """The verifier tensors a draft needs (embed_tokens, final norm, lm_head), a tied lm_head read as the
+    embedding when the verifier's own config.json ties them (SmolLM2, Llama-3.2-1B; not Kimi-K2.5)."""
+    return load_verifier_tensors(path, verifier_facts(path).tie_word_embeddings)
+
+
 def load_verifier_tensors(path: Path, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
     """embed_tokens, final norm and lm_head only: read through the index, never the whole verifier."""
     from safetensors import safe_open

@@ -65,7 +65,7 @@ from eagle3_pipeline.training.train_metrics import (
     validate,
     with_state_noise,
 )
-from eagle3_pipeline.models.verifier import load_verifier_tensors
+from eagle3_pipeline.models.verifier import draft_tensors_of
 from eagle3_pipeline.data.vocab import load_mapping
 
 log = logging.getLogger("eagle3.train")
@@ -221,8 +221,7 @@ def build_model(
     """The draft with the verifier's embedding, teacher head/norm and draft lm_head rows attached,
     built for the resolved attention and with its forward compiled or not (kernels.set_compile)."""
     model = build_draft(spec, attn_impl=kern.hf_attn_impl)
-    tie = data.shard_set.meta["verifier"].get("tie_word_embeddings", False)
-    attach_verifier_tensors(model, load_verifier_tensors(verifier_path, tie), data.t2d, data.d2t)
+    attach_verifier_tensors(model, draft_tensors_of(verifier_path), data.t2d, data.d2t)
     names = trainable_names(model, cfg.train_lm_head)
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
