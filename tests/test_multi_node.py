@@ -123,7 +123,7 @@ def test_every_sample_is_trained_once_per_epoch_on_2_and_3_ranks(tiny_shards, tm
     steps = [e["step"] for e in read_jsonl(out / "train_log.jsonl")]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) == sum(-(-e[3] // per_step) for e in epochs)
     if ranks == 2:  # a rerun on another number of ranks would train other samples in each step: refused
-        more = [TORCHRUN, "--standalone", "--nproc-per-node", "3", *args, "--epochs", "3"]
+        more = [TORCHRUN, "--standalone", "--nproc-per-node", "3", *args]  # the same recipe, 3 ranks
         proc = subprocess.run(more, env=ENV, cwd=tmp_path, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)  # fmt: skip
         want = "trained with 4 micro-batches a step (ranks x grad_accum), this run takes 6; rerun with"

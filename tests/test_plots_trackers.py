@@ -63,9 +63,14 @@ def test_resume_continues_plots_and_tensorboard_curves_without_gaps_or_repeats(t
     out = tmp_path / "train"
     args = [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir", str(out),
             "--eval-every", "2", "--log-every", "1", "--logger", "tensorboard"]  # fmt: skip
-    run_script(*args, "--max-steps", "4")
-    # as if interrupted after step 4 was logged but before its checkpoint: the resume redoes 3 and 4
-    shutil.rmtree(out / "checkpoints" / "step_000004")
+    run_script(*args, "--max-steps", "6")
+    # as if killed after step 4 was logged but before its checkpoint: checkpoint 2 is the latest complete,
+    # the log ends at 4 (a resume must be the same recipe, max_steps included: the same command is rerun;
+    # the tracker's events past step 2, up to 6 here, are all purged by the resume)
+    for step in (4, 6):
+        shutil.rmtree(out / "checkpoints" / f"step_{step:06d}")
+    logged = read_jsonl(out / "train_log.jsonl")
+    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged if r["step"] <= 4))
     proc = run_script(*args, "--max-steps", "6")
     assert "resumed from" in proc.stderr
     steps = [r["step"] for r in read_jsonl(out / "train_log.jsonl")]

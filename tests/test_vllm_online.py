@@ -2,7 +2,7 @@
 the states a server gives equal stage 01's vLLM shards, training online equals training on those shards
 (with and without a partial cache, which stays inside its budget), nothing but the run folder is
 written, a killed trainer resumes to the same losses, a server killed mid-run is survived with every
-sample trained once per epoch, and 2 ranks under torchrun train every sample once per epoch with the
+sample trained once per epoch, and 2 or 3 torchrun nodes train every sample once per epoch with the
 losses of one process.
 
 The servers are started with the command `04_train.py --serve-line` prints (online.serve_argv). Needs the
@@ -18,7 +18,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    CONVERSATIONS, REPO, extract_args, popen_script, read_jsonl, run_script, script, vllm_available,
+    CONVERSATIONS, extract_args, popen_script, read_jsonl, run_script, script, vllm_available,
 )  # fmt: skip
 
 from eagle3_pipeline.vllm_side import vllm_engine
@@ -260,20 +259,24 @@ def test_a_server_killed_mid_run_is_survived_and_every_sample_trains_once_per_ep
     assert re.search(rf"servers live 1 of 2 \(dead: {re.escape(doomed.url)}\)", log)
 
 
-def test_two_ranks_online_train_every_sample_once_per_epoch_and_the_losses_of_one_process(setup, tmp_path):
-    """torchrun, 2 ranks asking the servers for their own micro-batches' states: each epoch counts every
-    sample once over the ranks (the last step padded), and the losses are those of one process with
-    grad_accum 2 on the stage 01 shards (the same 2 micro-batches a step)."""
-    root = setup["root"]
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    args = [*_train_args(setup["tokens"], tmp_path / "ddp"), "--epochs", "2",
-            *_online(setup, *setup["servers"])]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", *args], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=1200)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    _train(setup["shards"], tmp_path / "one", "--epochs", "2", "--grad-accum", "2")
-    num_train = json.loads((tmp_path / "ddp" / "meta.json").read_text())["num_train"]
-    epochs = re.findall(r"\[rank 0\] train \| epoch (\d) \| samples (\d+), each once", proc.stderr)
-    assert epochs == [("0", str(num_train)), ("1", str(num_train))], proc.stderr[-4000:]
-    _assert_losses_match(_losses(tmp_path / "ddp"), _losses(tmp_path / "one"))
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_torchrun_nodes_online_train_every_sample_once_per_epoch_and_the_losses_of_one_process(
+    setup, tmp_path, nodes
+):
+    """Two and three torchrun agents (`--nnodes N`, c10d rendezvous on 127.0.0.1: N nodes of one rank),
+    each rank asking the servers for its own micro-batches' states: each epoch counts every sample once
+    over the ranks (the last step padded), and the losses are those of one process with grad_accum N on
+    the stage 01 shards (the same N micro-batches a step)."""
+    from test_multi_node import _agents, _free_port, _wait
+
+    args = [*_train_args(setup["tokens"], tmp_path / "nodes"), "--epochs", "2",
+            *_online(setup, setup["servers"][0])]  # fmt: skip (one server: the other may have been killed)
+    agents = _agents([args] * nodes, tmp_path / "logs", f"online{nodes}", _free_port())
+    codes = _wait(agents, timeout_s=1200)
+    log = (tmp_path / "logs" / "node0.log").read_text()
+    assert codes == [0] * nodes, log[-4000:]
+    _train(setup["shards"], tmp_path / "one", "--epochs", "2", "--grad-accum", str(nodes))
+    num_train = json.loads((tmp_path / "nodes" / "meta.json").read_text())["num_train"]
+    epochs = re.findall(r"train \| epoch (\d) \| samples (\d+), each once", log)
+    assert epochs == [("0", str(num_train)), ("1", str(num_train))], log[-4000:]
+    _assert_losses_match(_losses(tmp_path / "nodes"), _losses(tmp_path / "one"))
