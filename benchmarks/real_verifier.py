@@ -15,9 +15,9 @@ llama-cpp-python, compiled from source for minutes) are not needed to read the G
 transformers 5.19 loads the GGUF file dequantized (`from_pretrained(dir, gguf_file=NAME)`), but
 `save_pretrained` refuses a GGUF-quantized model, so the state dict is written with safetensors
 (`model.safetensors`, float32) and the config without `quantization_config`. The embedding is tied
-(`tie_word_embeddings` true, as published); `lm_head.weight` is written as a copy all the same, since
-05_export reads the verifier's lm_head without knowing of the tie (the train meta does not record it);
-transformers and vLLM's Llama loader tie it back (vLLM skips the tensor).
+(`tie_word_embeddings` true, as published); `lm_head.weight` is written as a copy all the same, so that
+the verifier the measured runs used is built byte for byte again (stages 04 and 05 read the tie from its
+config now, verifier.draft_tensors_of); transformers and vLLM's Llama loader tie it back (vLLM skips it).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def build(out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     tied = bool(model.config.tie_word_embeddings)
-    if tied:  # a copy of its own (safetensors refuses shared storage): 05_export reads `lm_head` from the
-        # verifier (its train meta does not carry tie_word_embeddings); vLLM's Llama skips it when tied
+    if tied:  # a copy of its own (safetensors refuses shared storage), as the measured runs' verifier had;
+        # vLLM's Llama skips it when tied
         state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
