@@ -25,6 +25,9 @@ def kimi_config_only(tmp_path):
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "rope_theta": 50000, "tie_word_embeddings": False,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}}},
         "rope_scaling": {"type": "yarn", "factor": 64, "original_max_position_embeddings": 4096},
     }  # fmt: skip
     cfg = {
@@ -339,3 +342,60 @@ def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_s
                       str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2")  # fmt: skip
     assert "co-location   ? (the verifier folder has no safetensors" in proc.stdout
     assert "producers     ? tokens/s of states" in proc.stdout
+
+
+def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_only, tmp_path):
+    """The serving cost model (sizing/speedup.py) for kimi_k25.toml's draft beside Kimi-K2.5 at TP 8, by
+    hand: a decode step reads the bf16 dense weights, the INT4 routed experts its tokens touch (uniform
+    routing) and the KV cache, at 80% of the HBM bandwidth, plus 40 us per layer; break-even AL and the
+    speedup at --plan-al 2.88 follow; a config without the MoE sizes says what it lacks."""
+    from eagle3_pipeline.sizing import speedup
+
+    out = tmp_path / "plan.json"
+    proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
+                      str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2",
+                      "--plan-al", "2.88", "--plan-json", str(out))  # fmt: skip
+    r = json.loads(out.read_text())["speedup"]
+    assert (r["k"], r["gpus"], r["context"], r["parallel"]) == (3, 8, 2048, False)
+    attn = H * 1536 + 1536 * 64 * 192 + H * 576 + 512 * 64 * 256 + 64 * 128 * H
+    dense = 61 * attn + 3 * H * 18432 + 60 * (3 * H * 2048 + H * 384) + V * H
+    expert_bytes = 3 * H * 2048 * (0.5 + 2 / 32)
+    draft = TRAINABLE  # every trained tensor is exported and read per draft forward (norms included)
+
+    def forward(params_bytes, experts, tokens, batch, kv_per_token, layers, gpu):
+        touched = 384 * (1 - (1 - 8 / 384) ** tokens) if experts else 0
+        memory = (params_bytes + experts * touched * expert_bytes) / 8 + batch * 2048 * kv_per_token
+        return memory / (gpu * 0.8) + layers * 40e-6  # memory-bound at these sizes (checked below)
+
+    for name, bw in [("H200", 4.8e12), ("B200", 8.0e12)]:
+        for b in (1, 16, 64):
+            s = r["by_gpu"][name][str(b)]
+            base = forward(dense * 2, 60, b, b, 70272, 61, bw)
+            verify = forward(dense * 2, 60, 4 * b, b, 70272, 61, bw)
+            d = forward(draft * 2, 0, 4 * b, b, 4096, 1, bw) + 2 * forward(draft * 2, 0, b, b, 4096, 1, bw)
+            assert s["base_s"] == pytest.approx(base, rel=1e-9)
+            assert s["verify_s"] == pytest.approx(verify, rel=1e-9)
+            assert s["draft_s"] == pytest.approx(d, rel=1e-9)
+            assert s["break_even_al"] == pytest.approx((verify + d) / base)
+            assert s["speedup"] == pytest.approx(2.88 * base / (verify + d))
+            assert s["tokens_per_second"] == pytest.approx(b * 2.88 / (verify + d))
+    h16 = r["by_gpu"]["H200"]["16"]
+    assert f"batch 16: break-even AL {h16['break_even_al']:.2f}, at AL 2.88 {h16['speedup']:.2f}x" in proc.stdout
+    # parallel drafting: one draft forward instead of k, so less draft time at k = 8
+    text = json.loads((kimi_config_only / "config.json").read_text())["text_config"]
+    v = speedup.verifier_model(text, 70272)
+    dm = speedup.draft_model({"lm_head.weight": [32000, H], "fc.weight": [H, 3 * H]}, 4096, 64, 128)
+    gpu = speedup.GPUS["H200"]
+    assert speedup.draft_seconds(dm, 8, True, 16, 2048, gpu, 8) < speedup.draft_seconds(dm, 8, False, 16, 2048, gpu, 8)
+    for b in (1, 16, 64):  # compute stays below memory for Kimi at these batches (the hand model above)
+        tokens = 4 * b
+        active = dense + 60 * 8 * 3 * H * 2048
+        flops = 2 * active * tokens + tokens * 2048 * 61 * 2 * 64 * (2 * 512 + 64)
+        assert flops / (8 * 989e12 * 0.5) < speedup.forward_seconds(v, tokens, b, 2048, gpu, 8) - 61 * 40e-6
+    # a verifier config without the MoE sizes: the line says which field is missing
+    del text["moe_intermediate_size"]
+    (kimi_config_only / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text,
+                                                              "architectures": ["X"]}))  # fmt: skip
+    proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
+                      str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2")  # fmt: skip
+    assert "speedup       ? (the verifier's config.json has no 'moe_intermediate_size')" in proc.stdout

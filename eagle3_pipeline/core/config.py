@@ -621,6 +621,14 @@ class PlanOptions:
         None, "Training throughput of the whole run (a log line's tok/s) for the time estimate.", gt=0
     )
     plan_json: str | None = _f(None, "Also write the plan as JSON to this file.")
+    plan_al: float | None = _f(
+        None,
+        "Acceptance length (06_evaluate's, at the k of [export] num_speculative_tokens) for the expected "
+        "speedup and output tokens/s lines of the serving cost model (sizing/speedup.py); without it they "
+        "show the break-even AL.",
+        ge=1,
+    )
+    plan_context: int = _f(2048, "Tokens of context per request for the serving cost model.", ge=1)
 
 
 STAGE_CONFIGS = {

@@ -16,11 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3_pipeline.core import storage
-
-MIB = 2**20
-# Memory each GPU reports (nvidia-smi's total, MiB): H200 141 GB HBM3e, B200 as in HGX / DGX B200 (8 x
-# 180 GB = 1,440 GB). This session's H200 device reports "about 139 GiB".
-GPU_MEMORY_BYTES = {"H200": 143_771 * MIB, "B200": 183_359 * MIB}
+from eagle3_pipeline.sizing.gpus import GPUS
 # vLLM's own non-KV, non-weight memory per GPU: prefill activations, CUDA graphs, NCCL buffers. An
 # assumption (not measured on these GPUs yet): scripts/gpu_check.sh is where to measure it.
 SERVER_RESERVE_BYTES = 8 * 2**30
@@ -41,7 +37,8 @@ def report(
     leaves the trainer its bytes; and the producers' rate (the trainer's tokens/s) in bytes/s."""
     per_gpu_weights = None if weights_bytes is None else weights_bytes // tensor_parallel_size
     gpus: dict[str, Any] = {}
-    for name, total in GPU_MEMORY_BYTES.items():
+    for name, gpu in GPUS.items():
+        total = gpu.memory_bytes
         if per_gpu_weights is None:
             gpus[name] = {"memory": total}
             continue

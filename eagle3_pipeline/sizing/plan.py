@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.training import checkpoint
-from eagle3_pipeline.sizing import colocation, kv_cache
+from eagle3_pipeline.sizing import colocation, kv_cache, speedup
 from eagle3_pipeline.data import packing, state_dtype
 from eagle3_pipeline.core import schedule, storage
 from eagle3_pipeline.training import kernel_policy as kernels
@@ -192,9 +192,10 @@ def build(
     disk_dir: Path,
     micro_batches: int | None = None,
     serve_tp: int | None = None,
+    serve_k: int = 3,
 ) -> dict[str, Any]:
     """The plan; `serve_tp`: the tensor-parallel size vLLM serves with (default --plan-gpus), for the
-    KV-cache lines."""
+    KV-cache and speedup lines; `serve_k`: the k it serves with."""
     text = read_text_config(verifier_path)
     H, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(layers), layers)
@@ -253,12 +254,27 @@ def build(
         "memory_per_gpu": memory,
         "kv_cache": kv,
         "colocation": online,
+        "speedup": serving_speedup(text, spec, draft, kv, serve_k, opts),
         "checkpoints_disk": checkpoint.checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
         "trained_tokens": trained_tokens,
         "tokens_per_second": opts.plan_tokens_per_second,
         "seconds": seconds,
     }
+
+
+def serving_speedup(
+    text: dict[str, Any], spec: DraftSpec, draft: dict[str, Any], kv: dict[str, Any], k: int, opts: PlanOptions
+) -> dict[str, Any] | None:
+    """The serving cost model's lines (speedup.py) for this draft beside this verifier; None when the
+    verifier's config lacks a field the model needs."""
+    tp = kv["tensor_parallel_size"]
+    try:
+        verifier = speedup.verifier_model(text, kv["verifier"]["per_tp_rank"])
+    except KeyError as e:
+        return {"missing": str(e)}
+    d = speedup.draft_model(draft["shapes"], kv["draft"]["per_tp_rank"], spec.num_attention_heads, spec.head_dim)
+    return speedup.report(verifier, d, k, False, tp, opts.plan_context, opts.plan_al)
 
 
 def _gb(n: float | None) -> str:
@@ -312,6 +328,10 @@ def render(p: dict[str, Any]) -> str:
     )
     lines.extend(kv_cache.render_lines(p["kv_cache"]))
     lines.extend(colocation.render_lines(p["colocation"]))
+    if "missing" in p["speedup"]:
+        lines.append(f"speedup       ? (the verifier's config.json has no {p['speedup']['missing']})")
+    else:
+        lines.extend(speedup.render_lines(p["speedup"]))
     lines.append(f"checkpoints   {_gb(p['checkpoints_disk'])} (keep_last + best + one being written)")
     st = p["steps"]
     if st:
@@ -372,6 +392,11 @@ def _tokens_from_data(
     return Tokens(rows, per_row, lengths, f"tokenized {read} rows of {data_path}")
 
 
+def _serve_k(config_path: str | None) -> int:
+    """The k vLLM serves with: [export] num_speculative_tokens (the export's serve line)."""
+    return int(load_config_file(config_path, "export").get("num_speculative_tokens", 3))
+
+
 def _serve_tp(config_path: str | None, opts: PlanOptions) -> int:
     """The tensor-parallel size vLLM serves with: [export] serve_tensor_parallel_size when set (the size
     the export's serve line prints), else --plan-gpus (8 by default: one node)."""
@@ -389,7 +414,7 @@ def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None)
     )
     p = build(
         verifier_path, cfg.aux_layer_ids, storage_name, train, int(vocab.get("draft_vocab_size", 32000)),
-        tokens, opts, Path(cfg.out_dir), serve_tp=_serve_tp(config_path, opts),
+        tokens, opts, Path(cfg.out_dir), serve_tp=_serve_tp(config_path, opts), serve_k=_serve_k(config_path),
     )  # fmt: skip
     return emit(p, opts)
 
@@ -439,6 +464,6 @@ def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> 
         cfg = dataclasses.replace(cfg, val_ratio=float(split.get("val_ratio", cfg.val_ratio)))
     p = build(
         Path(verifier), aux, storage_name, cfg, draft_vocab, tokens, opts, Path(cfg.out_dir), micro_batches,
-        serve_tp=_serve_tp(config_path, opts),
+        serve_tp=_serve_tp(config_path, opts), serve_k=_serve_k(config_path),
     )  # fmt: skip
     return emit(p, opts)
