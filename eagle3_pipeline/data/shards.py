@@ -115,6 +115,17 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
     return ShardSet(shards, first, samples)
 
 
+def open_for_output(data_dirs: list[str], out_dir: Path, overwrite: bool) -> ShardSet | None:
+    """What stages 02 and 03 do first: None (a logged skip) when `out_dir` is complete and not
+    `overwrite`; else the shards, opened and checked before an unfinished output is removed."""
+    if storage.is_complete(out_dir) and not overwrite:
+        storage.log_skip(out_dir)
+        return None
+    shard_set = open_shards(data_dirs)
+    storage.prepare_output_dir(out_dir, overwrite)
+    return shard_set
+
+
 def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
     if not storage.is_complete(shard):
         raise UserError(

@@ -16,7 +16,7 @@ from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.config import SplitConfig, provenance
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import conversation_id
-from eagle3_pipeline.data.shards import SampleRef, open_shards
+from eagle3_pipeline.data.shards import SampleRef, open_for_output
 
 log = logging.getLogger("eagle3.split")
 
@@ -47,11 +47,9 @@ def split_samples(
 
 def run(cfg: SplitConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    if storage.is_complete(out_dir) and not cfg.overwrite:
-        storage.log_skip(out_dir)
+    shard_set = open_for_output(cfg.data_dir, out_dir, cfg.overwrite)
+    if shard_set is None:
         return 0
-    shard_set = open_shards(cfg.data_dir)  # the inputs are checked before anything is removed
-    storage.prepare_output_dir(out_dir, cfg.overwrite)
     train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
     tmp = storage.fresh_tmp_dir(out_dir)
     storage.write_json_atomic(

@@ -17,7 +17,7 @@ import torch
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.config import VocabConfig, provenance
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.shards import iter_part_tokens, open_shards
+from eagle3_pipeline.data.shards import iter_part_tokens, open_for_output
 
 log = logging.getLogger("eagle3.vocab")
 
@@ -49,11 +49,9 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.
 
 def run(cfg: VocabConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    if storage.is_complete(out_dir) and not cfg.overwrite:
-        storage.log_skip(out_dir)
+    shard_set = open_for_output(cfg.data_dir, out_dir, cfg.overwrite)
+    if shard_set is None:
         return 0
-    shard_set = open_shards(cfg.data_dir)  # the inputs are checked before anything is removed
-    storage.prepare_output_dir(out_dir, cfg.overwrite)
     vocab_size = shard_set.meta["verifier"]["vocab_size"]
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for ids, mask in iter_part_tokens(shard_set.shards):
