@@ -98,6 +98,14 @@ def _cli(section: str, argv: list[str]) -> str:
     return str(e.value)
 
 
+def _argv(values: dict[str, Any]) -> list[str]:
+    """The command line that gives these settings: `--flag` for True, `--flag v1 v2` for a list."""
+    out: list[str] = []
+    for key, v in values.items():
+        out += [_flag(key)] if v is True else [_flag(key), *map(str, v if isinstance(v, list) else [v])]
+    return out
+
+
 # ---- every class, every field ---------------------------------------------------------------------
 
 
@@ -184,8 +192,7 @@ def test_settings_that_do_not_go_together_are_refused_when_built_and_by_replace(
     with pytest.raises(UserError) as replaced:
         dataclasses.replace(ok, **dict([last]))
     assert str(replaced.value) == str(built.value)
-    argv = [a for k, v in values.items() for a in ([_flag(k)] if v is True else [_flag(k), str(v)])]
-    assert _cli(cls.SECTION, argv).startswith(message)
+    assert _cli(cls.SECTION, _argv(values)).startswith(message)
 
 
 def test_rules_accept_what_goes_together():
@@ -237,7 +244,8 @@ RECHECKS = [
     ("schedule.every_for", TrainConfig, {"eval_every": 0}, "--eval-every must be >= 1"),
     ("schedule.every_for (save)", TrainConfig, {"save_every": 0}, "--save-every must be >= 1"),
     ("extract.run --serve", ExtractConfig, {"serve": True, "engine": "hf"}, "--serve starts a vLLM server"),
-    ("train.run check_spec", TrainConfig, {"head_dim": 3}, "--head-dim must be even (RoPE rotates pairs), got 3"),
+    ("train.run check_spec", TrainConfig, {"head_dim": 3},
+     "--head-dim must be even (RoPE rotates pairs), got 3"),
 ]  # fmt: skip
 
 
@@ -248,9 +256,7 @@ def test_a_bad_config_for_a_removed_recheck_is_refused_when_built_with_the_comma
     with pytest.raises(UserError) as e:
         cls(**values)
     assert str(e.value).startswith(message), (site, str(e.value))
-    argv = [a for k, v in values.items() for a in (
-        [_flag(k)] if v is True else [_flag(k), *v] if isinstance(v, list) else [_flag(k), str(v)])]  # fmt: skip
-    assert _cli(cls.SECTION, argv) == str(e.value)
+    assert _cli(cls.SECTION, _argv(values)) == str(e.value)
 
 
 # ---- the file a value came from ---------------------------------------------------------------------

@@ -574,7 +574,10 @@ class TrainConfig(Settings):
     num_attention_heads: int = _f(64, "Draft attention heads.", ge=1)
     num_key_value_heads: int = _f(64, "Draft key/value heads.", ge=1)
     head_dim: int = _f(
-        128, "Draft head dim, written explicitly to config.json (never hidden/heads).", ge=2, check=_even_problem
+        128,
+        "Draft head dim, even, written explicitly to config.json (never hidden/heads).",
+        ge=2,
+        check=_even_problem,
     )
     intermediate_size: int = _f(18432, "Draft MLP width.", ge=1)
     rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).", gt=0)
