@@ -1,14 +1,18 @@
 """Typed stage configs, a TOML file per run, and command-line overrides.
 
 Each stage has one dataclass; every field has a help text that becomes its `--flag` (underscores to
-dashes). Precedence: command line > config file section > field default. A key in the file that the
-stage does not know is an error naming the key, so a typo never silently falls back to a default.
+dashes) and declares what it accepts. Precedence: command line > config file section > field default. A
+key in the file that the stage does not know is an error naming the key, so a typo never silently falls
+back to a default. A config checks itself when it is built (`Settings.__post_init__`): each field's type
+and range, then the rules between its fields; built from flags and a file, in code or by
+`dataclasses.replace` alike, so the code that takes a config never checks it again.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import operator
@@ -17,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.errors import UserError
@@ -58,7 +62,7 @@ _BOUNDS = {
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its help text, optional flag aliases (`aliases`) and what it accepts: `ge`, `gt`,
     `le`, `lt` bound a number (each item of a list), `choices` lists the strings, `check(value)` says why
-    anything else is refused (None: accepted). resolve_config enforces them; --help shows them."""
+    anything else is refused (None: accepted). The config enforces them when built; --help shows them."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     if isinstance(default, dict):
@@ -111,16 +115,23 @@ def _item_problem(meta: Any, value: Any) -> str | None:
     return check(value) if check is not None else None
 
 
-def check_value(section: str, name: str, value: Any, meta: Any, source: str | None = None) -> None:
-    """Refuse a value (each item of a list) outside its field's declared range or choices, naming the flag;
-    `source`, the config file it came from (None: the command line)."""
+class SettingError(UserError):
+    """A value outside its field's range or choices; `name`, the field (resolve_config names the file)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def check_value(name: str, value: Any, meta: Any) -> None:
+    """Refuse a value (each item of a list) outside its field's declared range or choices, naming the flag
+    (build_config adds the config file it came from)."""
     items = value if isinstance(value, list) else [value]
     problem = next((p for p in (_item_problem(meta, v) for v in items) if p), None)
     if problem is None:
         return
-    where = "" if source is None else f" ({name} in [{section}] of {source})"
     each = " (each)" if isinstance(value, list) else ""
-    raise UserError(f"{_flag(name)} {problem}{each}, got {value!r}{where}")
+    raise SettingError(name, f"{_flag(name)} {problem}{each}, got {value!r}")
 
 
 def _loss_problem(spec: str) -> str | None:
@@ -179,8 +190,103 @@ def _is_weight(w: Any) -> bool:
         return False
 
 
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(inner type, is_optional) of a field annotation such as `int | None` or `list[int]`."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return tp, False
+
+
+def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
+    ok: bool
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        ok = isinstance(value, list) and all(
+            isinstance(v, item) and not isinstance(v, bool) or (item is str and isinstance(v, str))
+            for v in value
+        )
+    elif typing.get_origin(tp) is dict:
+        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        expected = getattr(tp, "__name__", tp)
+        raise UserError(f"[{section}] {name} = {value!r}: expected {expected} ({_flag(name)})")
+
+
+def _even_problem(n: int) -> str | None:
+    return "must be even (RoPE rotates pairs)" if n % 2 else None
+
+
+def _draft_shape_problem(d: Any) -> str | None:
+    """Why the draft's shape settings do not go together (None: they do), naming the [train] flags and the
+    fix; `d`, a TrainConfig or a DraftSpec (models/draft.py), which share the names."""
+    if d.num_attention_heads % d.num_key_value_heads:
+        return (
+            f"--num-attention-heads {d.num_attention_heads} must be a multiple of --num-key-value-heads "
+            f"{d.num_key_value_heads} (grouped-query attention shares each key/value head among whole "
+            "groups); change either"
+        )
+    if d.norm_before_fc and d.fc_norm:
+        return (
+            "--norm-before-fc and --fc-norm are mutually exclusive (speculators and vLLM); add "
+            "--no-norm-before-fc to use --fc-norm"
+        )
+    return None
+
+
+def check_draft_shape(d: Any) -> None:
+    """The [train] rules of a draft's shape for a DraftSpec not built from a checked TrainConfig (read back
+    from a checkpoint, built in code): its shape fields as TrainConfig declares them, then the rules between
+    them; the messages a TrainConfig gives."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+    for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        check_value(name, getattr(d, name), meta[name])
+    problem = _draft_shape_problem(d)
+    if problem is not None:
+        raise UserError(problem)
+
+
+@functools.cache
+def _typed_fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any, bool], ...]:
+    """(field, inner type, is_optional) of each field of a config class."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f, *_base_type(hints[f.name])) for f in dataclasses.fields(cls))
+
+
+class Settings:
+    """What every stage config shares: it checks itself when built (by resolve_config, in code, or by
+    dataclasses.replace), the way torchtitan's typed configs do: each field's type and declared range or
+    choices, then `rule_problem`, the rules between its fields. `SECTION` names its [section] (and the
+    messages' `[section] key`)."""
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f, tp, optional in _typed_fields(type(self)):
+            value = getattr(self, f.name)
+            if value is None and optional:  # unset (a required one: resolve_config says it is missing)
+                continue
+            _check_type(self.SECTION, f.name, value, tp)
+            check_value(f.name, value, f.metadata)
+        problem = self.rule_problem()
+        if problem is not None:
+            raise UserError(problem)
+
+    def rule_problem(self) -> str | None:
+        """Why the fields do not go together (None: they do); a config with such rules overrides it."""
+        return None
+
+
 @dataclass
-class RegenerateConfig:
+class RegenerateConfig(Settings):
+    SECTION: ClassVar[str] = "regenerate"
     verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
     data_path: str | None = _req("Conversations to regenerate (same formats as stage 01).")
     data_split: str = _f("train", "Split to read when --data-path is a saved DatasetDict.")
@@ -210,7 +316,8 @@ class RegenerateConfig:
 
 
 @dataclass
-class ExtractConfig:
+class ExtractConfig(Settings):
+    SECTION: ClassVar[str] = "extract"
     verifier_path: str | None = _req("Verifier checkpoint directory (Hugging Face layout).")
     data_path: str | None = _req(
         "Conversations: a .jsonl/.json file (ShareGPT `conversations` or "
@@ -298,9 +405,17 @@ class ExtractConfig:
     vllm_python: str | None = _f(None, "Python of the vLLM environment (default .venv-vllm/bin/python).")
     overwrite: bool = _f(False, "Redo a shard that is already complete.")
 
+    def rule_problem(self) -> str | None:
+        if self.end_row is not None and self.end_row <= self.start_row:
+            return f"--end-row {self.end_row} must be > --start-row {self.start_row} (an empty row range)"
+        if self.serve and self.engine != "vllm":
+            return "--serve starts a vLLM server: add --engine vllm"
+        return None
+
 
 @dataclass
-class VocabConfig:
+class VocabConfig(Settings):
+    SECTION: ClassVar[str] = "vocab"
     data_dir: list[str] = _f([], "One or more hidden-state shard folders (rows_*/) or roots holding them.")
     out_dir: str | None = _req("Folder for vocab_mapping.safetensors (d2t, t2d) and meta.json.")
     draft_vocab_size: int = _f(32000, "Draft vocabulary size K: the K most frequent target tokens.", ge=1)
@@ -308,7 +423,8 @@ class VocabConfig:
 
 
 @dataclass
-class SplitConfig:
+class SplitConfig(Settings):
+    SECTION: ClassVar[str] = "split"
     data_dir: list[str] = _f([], "One or more hidden-state shard folders (rows_*/) or roots holding them.")
     out_dir: str | None = _req("Folder for split.json (train/val sample lists) and meta.json.")
     val_ratio: float = _f(0.05, "Fraction of conversations held out for validation.", ge=0, lt=1)
@@ -317,7 +433,8 @@ class SplitConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
+    SECTION: ClassVar[str] = "train"
     verifier_path: str | None = _f(
         None,
         "Verifier checkpoint (for embed_tokens, final norm, lm_head only); "
@@ -456,7 +573,12 @@ class TrainConfig:
     )
     num_attention_heads: int = _f(64, "Draft attention heads.", ge=1)
     num_key_value_heads: int = _f(64, "Draft key/value heads.", ge=1)
-    head_dim: int = _f(128, "Draft head dim, written explicitly to config.json (never hidden/heads).", ge=2)
+    head_dim: int = _f(
+        128,
+        "Draft head dim, even, written explicitly to config.json (never hidden/heads).",
+        ge=2,
+        check=_even_problem,
+    )
     intermediate_size: int = _f(18432, "Draft MLP width.", ge=1)
     rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).", gt=0)
     max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.", ge=1)
@@ -494,9 +616,13 @@ class TrainConfig:
     val_max_samples: int | None = _f(None, "Cap on validation samples per evaluation.", ge=1)
     overwrite: bool = _f(False, "Start over even if --out-dir has checkpoints (default: resume).")
 
+    def rule_problem(self) -> str | None:
+        return _draft_shape_problem(self)
+
 
 @dataclass
-class ExportConfig:
+class ExportConfig(Settings):
+    SECTION: ClassVar[str] = "export"
     train_dir: str | None = _req("Training run folder (the --out-dir of 04_train.py).")
     checkpoint: str = _f(
         "best",
@@ -533,7 +659,8 @@ class ExportConfig:
 
 
 @dataclass
-class EvaluateConfig:
+class EvaluateConfig(Settings):
+    SECTION: ClassVar[str] = "evaluate"
     verifier_path: str | None = _f(None, "Verifier checkpoint; default: the one recorded by the export.")
     draft_dir: str | None = _req("An export folder from 05_export.py.")
     data_path: str | None = _req(
@@ -594,8 +721,10 @@ class EvaluateConfig:
 
 
 @dataclass
-class PlanOptions:
+class PlanOptions(Settings):
     """`--plan` on stages 01 and 04 (plan.py): command-line only, never part of a run's recorded config."""
+
+    SECTION: ClassVar[str] = "plan"
 
     plan: bool = _f(
         False,
@@ -632,23 +761,11 @@ class PlanOptions:
 
 
 STAGE_CONFIGS = {
-    "regenerate": RegenerateConfig,
-    "extract": ExtractConfig,
-    "vocab": VocabConfig,
-    "split": SplitConfig,
-    "train": TrainConfig,
-    "export": ExportConfig,
-    "evaluate": EvaluateConfig,
+    cls.SECTION: cls
+    for cls in (
+        RegenerateConfig, ExtractConfig, VocabConfig, SplitConfig, TrainConfig, ExportConfig, EvaluateConfig
+    )
 }
-
-
-def _base_type(tp: Any) -> tuple[Any, bool]:
-    """(inner type, is_optional) of a field annotation such as `int | None` or `list[int]`."""
-    args = typing.get_args(tp)
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        inner = [a for a in args if a is not type(None)]
-        return inner[0], True
-    return tp, False
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, with_config: bool = True) -> None:
@@ -759,7 +876,8 @@ def load_config_file(path: str | None, section: str) -> dict[str, Any]:
 
 
 def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
-    """Defaults < file section < command line; unknown file keys and missing required values are errors."""
+    """Defaults < file section < command line; unknown file keys and missing required values are errors.
+    The config checks its values when built (Settings); a refused value from the file names the file."""
     from_file = load_config_file(args.config, section)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(from_file) - names)
@@ -767,57 +885,38 @@ def resolve_config(cls: type, args: argparse.Namespace, section: str) -> Any:
         raise UserError(
             f"{args.config}: unknown key(s) {unknown} in [{section}]; known keys: {sorted(names)}"
         )
-    values = dict(from_file)
-    from_cli = {name for name in names if getattr(args, name, None) is not None}
-    for name in from_cli:
-        values[name] = getattr(args, name)
-    try:
-        cfg = cls(**values)
-    except TypeError as e:
-        raise UserError(f"[{section}]: {e}") from None
-    hints = typing.get_type_hints(cls)
+    from_cli = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    values = {**from_file, **from_cli}
     for f in dataclasses.fields(cls):
-        value = getattr(cfg, f.name)
-        tp, optional = _base_type(hints[f.name])
-        if value is None:
-            if f.metadata.get("required"):
-                raise UserError(f"{_flag(f.name)} is required (or `{f.name}` in [{section}] of --config)")
-            continue
-        _check_type(section, f.name, value, tp)
-        check_value(section, f.name, value, f.metadata, None if f.name in from_cli else args.config)
-    return cfg
+        if f.metadata.get("required") and values.get(f.name) is None:
+            raise UserError(f"{_flag(f.name)} is required (or `{f.name}` in [{section}] of --config)")
+    return build_config(cls, values, args.config, set(from_file) - set(from_cli))
 
 
-def _check_type(section: str, name: str, value: Any, tp: Any) -> None:
-    ok: bool
-    if typing.get_origin(tp) is list:
-        item = typing.get_args(tp)[0]
-        ok = isinstance(value, list) and all(
-            isinstance(v, item) and not isinstance(v, bool) or (item is str and isinstance(v, str))
-            for v in value
-        )
-    elif typing.get_origin(tp) is dict:
-        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, tp)
-    if not ok:
-        expected = getattr(tp, "__name__", tp)
-        raise UserError(f"[{section}] {name} = {value!r}: expected {expected} ({_flag(name)})")
+def build_config(cls: type, values: dict[str, Any], path: str | None = None, from_file: Any = ()) -> Any:
+    """`cls(**values)`; a refused value among `from_file`, the keys read from the config file `path`, is
+    named with the file and its [section]."""
+    try:
+        return cls(**values)
+    except TypeError as e:  # a key the class does not know
+        raise UserError(f"{path + ' ' if path else ''}[{cls.SECTION}]: {e}") from None
+    except SettingError as e:
+        if path is None or e.name not in from_file:
+            raise
+        raise SettingError(e.name, f"{e} ({e.name} in [{cls.SECTION}] of {path})") from None
+
+
+def config_from_file(cls: type, path: str | None) -> Any:
+    """The config of `cls`'s section of the file `path` alone (no command line; required keys may be
+    missing): what another stage of the same run is set to."""
+    values = load_config_file(path, cls.SECTION)
+    return build_config(cls, values, path, set(values))
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> Any:
     """A command-line-only options dataclass (PlanOptions): flags given, else the field defaults."""
-    given = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None
-    }
-    for f in dataclasses.fields(cls):
-        if f.name in given:
-            check_value("plan", f.name, given[f.name], f.metadata)
-    return cls(**given)
+    names = (f.name for f in dataclasses.fields(cls))
+    return cls(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

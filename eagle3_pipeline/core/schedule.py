@@ -28,9 +28,10 @@ def total_steps(epoch_steps: list[int], max_steps: int | None) -> int:
 
 
 def warmup_steps_for(total_steps: int, warmup_ratio: float, warmup_steps: int | None) -> int:
-    """Explicit steps win; else the ratio of the run (at least one step when the ratio is positive)."""
+    """Explicit steps win (>= 0, as TrainConfig holds them); else the ratio of the run (at least one step
+    when the ratio is positive)."""
     if warmup_steps is not None:
-        return max(0, warmup_steps)
+        return warmup_steps
     return max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
 
 
@@ -46,7 +47,8 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: st
 
 
 def every_for(total_steps: int, every: int | None, per_run: int = DEFAULT_VALIDATIONS_PER_RUN) -> int:
-    """Steps between validations or checkpoints: as given, else the run split into `per_run` intervals."""
+    """Steps between validations or checkpoints: as given (>= 1, as TrainConfig holds them), else the run
+    split into `per_run` intervals."""
     if every is not None:
-        return max(1, every)
+        return every
     return max(1, math.ceil(total_steps / per_run))

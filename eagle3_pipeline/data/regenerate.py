@@ -28,7 +28,7 @@ from typing import Any
 from eagle3_pipeline.data import parts
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import REGENERATE_ENGINES, RegenerateConfig, provenance
+from eagle3_pipeline.core.config import RegenerateConfig, provenance
 from eagle3_pipeline.data.conversations import (
     Conversation,
     RawRow,
@@ -49,8 +49,6 @@ OUTPUT_NAME = "conversations.jsonl"
 def resolve_engine(name: str, vllm_python: str | None) -> str:
     from eagle3_pipeline.vllm_side import vllm_engine
 
-    if name not in REGENERATE_ENGINES:  # checked when parsed; a config built in code skips that
-        raise UserError(f"engine {name!r}: use one of {', '.join(REGENERATE_ENGINES)}")
     if name != "auto":
         return name
     ok, _ = vllm_engine.available(vllm_python)

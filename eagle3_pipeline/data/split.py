@@ -31,8 +31,7 @@ def is_val(conversation_id: str, seed: int, val_ratio: float) -> bool:
 def split_samples(
     samples: list[SampleRef], seed: int, val_ratio: float
 ) -> tuple[list[SampleRef], list[SampleRef]]:
-    if not 0.0 <= val_ratio < 1.0:
-        raise UserError(f"val_ratio {val_ratio} must lie in [0, 1)")
+    """(train, val) by conversation; val_ratio in [0, 1), as the configs hold it."""
     train = [s for s in samples if not is_val(conversation_id(s.sample_id), seed, val_ratio)]
     val = [s for s in samples if is_val(conversation_id(s.sample_id), seed, val_ratio)]
     if val_ratio > 0 and not val and len({conversation_id(s.sample_id) for s in samples}) > 1:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_pipeline.core.config import EXTRACT_DTYPES, FP8, NO_STATES, STORAGE_DTYPES  # the choices, owned there
-from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.config import FP8, NO_STATES  # the choices, owned there
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec, E4M3: S.1111.110 = 448)
 FP8_SCALES = "per_sample"  # meta.json "fp8_scales" of shards written now; absent = per-token (older)
@@ -33,18 +32,15 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, FP8: 1, NO_STATES: 0}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
+    """The compute dtype of `name`, one of config.EXTRACT_DTYPES (ExtractConfig refuses any other)."""
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    try:
-        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
-    except KeyError:
-        raise UserError(f"dtype {name!r}: use one of {', '.join(EXTRACT_DTYPES)}") from None
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
 def resolve_storage_dtype(name: str, compute_dtype: torch.dtype) -> str:
-    """The storage dtype's name; `auto` stores what the verifier computed in (the old behaviour)."""
-    if name not in STORAGE_DTYPES:
-        raise UserError(f"storage_dtype {name!r}: use one of {', '.join(STORAGE_DTYPES)}")
+    """The storage dtype's name (one of config.STORAGE_DTYPES); `auto` stores what the verifier computed in
+    (the old behaviour)."""
     return str(compute_dtype).removeprefix("torch.") if name == "auto" else name
 
 

@@ -26,7 +26,7 @@ from eagle3_pipeline.models.acceptance import (
     verify_pass,
 )
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import EVALUATE_ENGINES, EvaluateConfig, provenance
+from eagle3_pipeline.core.config import EvaluateConfig, provenance
 from eagle3_pipeline.data.conversations import RowRejected, read_rows
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.reference_draft import ReferenceDraft
@@ -246,8 +246,6 @@ def run(cfg: EvaluateConfig) -> int:
     draft_dir = Path(cfg.draft_dir)
     if not (draft_dir / "config.json").is_file():
         raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
-    if cfg.engine not in EVALUATE_ENGINES:  # checked when parsed; a config built in code skips that
-        raise UserError(f"engine {cfg.engine!r}: use one of {', '.join(EVALUATE_ENGINES)}")
     export_meta = draft_dir / "export_meta.json"
     recorded = storage.read_json(export_meta) if export_meta.exists() else {}
     cfg = served_as_exported(cfg, recorded.get("served") or {}, export_meta)

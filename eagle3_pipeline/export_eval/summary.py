@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.core.config import ExportConfig, TrainConfig, load_config_file
+from eagle3_pipeline.core.config import ExportConfig, TrainConfig, config_from_file
 from eagle3_pipeline.core.errors import UserError
 
 ACCEPTANCE_NAME = "acceptance_sim.json"  # what `06_evaluate.py --engine sim` writes in the draft folder
@@ -50,8 +50,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
 def summarize_run(config_path: str) -> list[str]:
     from eagle3_pipeline.training.plots import write_acceptance_plot
 
-    export = ExportConfig(**load_config_file(config_path, "export"))
-    train = TrainConfig(**load_config_file(config_path, "train"))
+    export = config_from_file(ExportConfig, config_path)
+    train = config_from_file(TrainConfig, config_path)
     draft = Path(export.out_dir)
     trained = read_acceptance(draft)
     baseline = read_acceptance(untrained_dir(draft))
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.untrained_dir:
-            print(untrained_dir(Path(ExportConfig(**load_config_file(args.config, "export")).out_dir)))
+            print(untrained_dir(Path(config_from_file(ExportConfig, args.config).out_dir)))
             return 0
         print("\n".join(summarize_run(args.config)))
     except UserError as e:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.core.config import check_draft_shape
 from eagle3_pipeline.core.errors import UserError
 
 
@@ -72,21 +73,9 @@ def spec_for_training(
 
 
 def check_spec(spec: DraftSpec) -> None:
-    """The rules between the draft's settings (stage 04 checks them before it writes anything), naming the
-    [train] flags and the fix."""
-    if spec.num_attention_heads % spec.num_key_value_heads:
-        raise UserError(
-            f"--num-attention-heads {spec.num_attention_heads} must be a multiple of --num-key-value-heads "
-            f"{spec.num_key_value_heads} (grouped-query attention shares each key/value head among whole "
-            "groups); change either"
-        )
-    if spec.norm_before_fc and spec.fc_norm:
-        raise UserError(
-            "--norm-before-fc and --fc-norm are mutually exclusive (speculators and vLLM); add "
-            "--no-norm-before-fc to use --fc-norm"
-        )
-    if spec.head_dim % 2:
-        raise UserError(f"--head-dim {spec.head_dim} must be even (RoPE rotates pairs)")
+    """The [train] rules of the draft's shape (config.check_draft_shape), for a spec read back from a
+    checkpoint or built in code; a TrainConfig refuses the same when it is built."""
+    check_draft_shape(spec)
 
 
 def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:

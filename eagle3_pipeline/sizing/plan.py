@@ -44,7 +44,15 @@ from eagle3_pipeline.sizing import colocation, kv_cache, speedup
 from eagle3_pipeline.data import packing, state_dtype
 from eagle3_pipeline.core import schedule, storage
 from eagle3_pipeline.training import kernel_policy as kernels
-from eagle3_pipeline.core.config import ExtractConfig, PlanOptions, TrainConfig, load_config_file
+from eagle3_pipeline.core.config import (
+    ExportConfig,
+    ExtractConfig,
+    PlanOptions,
+    SplitConfig,
+    TrainConfig,
+    VocabConfig,
+    config_from_file,
+)
 from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.models.draft import DraftSpec, build_draft, spec_for_training, trainable_names
 from eagle3_pipeline.core.errors import UserError
@@ -362,13 +370,6 @@ def emit(p: dict[str, Any], opts: PlanOptions) -> int:
 # ---- the two stages -------------------------------------------------------------------------------
 
 
-def _section(config_path: str | None, cls: type, section: str) -> Any:
-    try:
-        return cls(**load_config_file(config_path, section))
-    except TypeError as e:
-        raise UserError(f"{config_path} [{section}]: {e}") from None
-
-
 def _tokens_from_data(
     data_path: Path | None, verifier_path: Path, split: str, max_seq_len: int, opts: PlanOptions, trust: bool
 ) -> Tokens:
@@ -394,26 +395,26 @@ def _tokens_from_data(
 
 def _serve_k(config_path: str | None) -> int:
     """The k vLLM serves with: [export] num_speculative_tokens (the export's serve line)."""
-    return int(load_config_file(config_path, "export").get("num_speculative_tokens", 3))
+    return config_from_file(ExportConfig, config_path).num_speculative_tokens
 
 
 def _serve_tp(config_path: str | None, opts: PlanOptions) -> int:
     """The tensor-parallel size vLLM serves with: [export] serve_tensor_parallel_size when set (the size
     the export's serve line prints), else --plan-gpus (8 by default: one node)."""
-    tp = int(load_config_file(config_path, "export").get("serve_tensor_parallel_size", 0))
+    tp = config_from_file(ExportConfig, config_path).serve_tensor_parallel_size
     return tp if tp > 0 else opts.plan_gpus
 
 
 def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None) -> int:
-    train = _section(config_path, TrainConfig, "train")
-    vocab = load_config_file(config_path, "vocab")
+    train = config_from_file(TrainConfig, config_path)
+    vocab = config_from_file(VocabConfig, config_path)
     verifier_path = Path(cfg.verifier_path)
     storage_name = state_dtype.resolve_storage_dtype(cfg.storage_dtype, state_dtype.resolve_dtype(cfg.dtype))
     tokens = _tokens_from_data(
         Path(cfg.data_path), verifier_path, cfg.data_split, cfg.max_seq_len, opts, cfg.trust_remote_code
     )
     p = build(
-        verifier_path, cfg.aux_layer_ids, storage_name, train, int(vocab.get("draft_vocab_size", 32000)),
+        verifier_path, cfg.aux_layer_ids, storage_name, train, vocab.draft_vocab_size,
         tokens, opts, Path(cfg.out_dir), serve_tp=_serve_tp(config_path, opts), serve_k=_serve_k(config_path),
     )  # fmt: skip
     return emit(p, opts)
@@ -422,14 +423,12 @@ def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None)
 def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> int:
     from eagle3_pipeline.data.shards import find_shard_dirs, open_shards
 
-    extract = load_config_file(config_path, "extract")
-    vocab = load_config_file(config_path, "vocab")
-    verifier = cfg.verifier_path or extract.get("verifier_path")
-    aux, storage_name = extract.get("aux_layer_ids"), extract.get("storage_dtype", "auto")
-    if storage_name == "auto":
-        storage_name = extract.get("dtype", "bfloat16")
-        storage_name = "bfloat16" if storage_name == "auto" else storage_name
-    draft_vocab = int(vocab.get("draft_vocab_size", 32000))
+    extract = config_from_file(ExtractConfig, config_path)
+    verifier = cfg.verifier_path or extract.verifier_path
+    aux, storage_name = extract.aux_layer_ids, extract.storage_dtype
+    if storage_name == "auto":  # as computed: bf16 on the GPUs it plans for
+        storage_name = "bfloat16" if extract.dtype == "auto" else extract.dtype
+    draft_vocab = config_from_file(VocabConfig, config_path).draft_vocab_size
     vocab_meta = Path(cfg.vocab_mapping_dir or "") / storage.META_NAME
     if cfg.vocab_mapping_dir and vocab_meta.is_file():
         draft_vocab = int(storage.read_json(vocab_meta)["draft_vocab_size"])
@@ -452,16 +451,15 @@ def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> 
     else:
         if verifier is None:
             raise UserError("--plan needs the verifier's config.json: give --verifier-path")
-        data = extract.get("data_path")
+        data = extract.data_path
         tokens = _tokens_from_data(
-            Path(data) if data else None, Path(verifier), extract.get("data_split", "train"),
-            cfg.max_seq_len, opts, bool(extract.get("trust_remote_code", False)),
+            Path(data) if data else None, Path(verifier), extract.data_split, cfg.max_seq_len, opts,
+            extract.trust_remote_code,
         )  # fmt: skip
     if verifier is None:
         raise UserError("--plan needs the verifier's config.json: give --verifier-path")
     if cfg.split_dir and micro_batches is None:  # training then holds out what stage 03 held out
-        split = load_config_file(config_path, "split")
-        cfg = dataclasses.replace(cfg, val_ratio=float(split.get("val_ratio", cfg.val_ratio)))
+        cfg = dataclasses.replace(cfg, val_ratio=config_from_file(SplitConfig, config_path).val_ratio)
     p = build(
         Path(verifier), aux, storage_name, cfg, draft_vocab, tokens, opts, Path(cfg.out_dir), micro_batches,
         serve_tp=_serve_tp(config_path, opts), serve_k=_serve_k(config_path),

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.core.config import ATTN_IMPLS, COMPILE_MODES, LOSS_IMPLS  # the flags' choices, owned there
+from eagle3_pipeline.core.config import ATTN_IMPLS  # the flag's choices, owned there
 from eagle3_pipeline.core.errors import UserError
 
 FLEX_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, the Q and KV block of create_block_mask
@@ -74,7 +74,6 @@ def triton_available() -> bool:
 def attention_impl(attn_impl: str, cuda: bool) -> str:
     """The attention `attn_impl` trains with: auto is flex on CUDA (compiled, the fused kernel), sdpa
     elsewhere (FlexAttention has no backward on CPU)."""
-    _check(attn_impl, ATTN_IMPLS, "attn_impl")
     return attn_impl if attn_impl != "auto" else ("flex" if cuda else "sdpa")
 
 
@@ -86,10 +85,8 @@ def resolve(
     max_row_tokens: int,
     needs_backward: bool = True,
 ) -> Kernels:
-    """The implementations for `device`; `max_row_tokens` bounds a packed row (buckets for compile)."""
-    _check(attn_impl, ATTN_IMPLS, "attn_impl")
-    _check(loss_impl, LOSS_IMPLS, "loss_impl")
-    _check(compile, COMPILE_MODES, "compile")
+    """The implementations for `device` of the [train] settings (TrainConfig has checked their names);
+    `max_row_tokens` bounds a packed row (buckets for compile). Refuses what this device cannot run."""
     cuda = device.type == "cuda"
     attn = attention_impl(attn_impl, cuda)
     if attn == "flex" and not cuda and needs_backward:
@@ -122,16 +119,6 @@ def loss_config(k: Kernels, spec: str = "kl_div") -> dict[str, Any]:
     from speculators.losses.utils import resolve_loss_config
 
     return resolve_loss_config(spec, k.loss_impl)  # fused kernels are imported on first call
-
-
-def check_loss(spec: str) -> None:
-    """Refuse an unknown loss before any data is read (the message lists the names)."""
-    from speculators.losses.utils import resolve_loss_config
-
-    try:
-        resolve_loss_config(spec, "eager")
-    except ValueError as e:
-        raise UserError(f"--loss {spec!r}: {e}") from None
 
 
 def padded_length(n: int, k: Kernels) -> int:

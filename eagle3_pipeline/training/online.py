@@ -66,11 +66,10 @@ def layer_ids(meta: dict[str, Any]) -> list[int]:
 
 
 def _backend(name: str, transfer_args: str) -> tuple[Any, argparse.Namespace]:
-    """hs_connectors' backend and its options (its flags: --hidden-states-path, --mooncake-master, ...)."""
+    """hs_connectors' backend `name` (one of config.TRANSFERS, its registry's names: TrainConfig refuses any
+    other) and its options (its flags: --hidden-states-path, --mooncake-master, ...)."""
     from hs_connectors.transfer import HiddenStatesBackend
 
-    if name not in HiddenStatesBackend.registry:
-        raise UserError(f"transfer {name!r}: use one of {', '.join(HiddenStatesBackend.registry)}")
     backend = HiddenStatesBackend.registry[name]
     parser = argparse.ArgumentParser(prog=f"[train] transfer_args ({name})", add_help=False)
     backend.add_launch_args(parser)  # first: its defaults are the server's (the path both sides use)
