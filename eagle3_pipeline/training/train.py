@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.training import checkpoint, plots
+from eagle3_pipeline.training import checkpoint, parallel, plots
 from eagle3_pipeline.core import schedule, storage, trackers
 from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.core.cli import EXIT_INTERRUPTED, progress
@@ -226,7 +226,10 @@ def build_model(
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
     model = model.to(device)
-    kernels.set_compile(model, kern)
+    if spec.parallel:  # its forward is training/parallel.py's (row lengths vary: never compiled)
+        parallel.bind(model)
+    else:
+        kernels.set_compile(model, kern)
     return model, names
 
 
@@ -562,7 +565,7 @@ def _padding(loop: TrainLoop) -> dict[str, torch.Tensor]:
 def _log_interval(loop: TrainLoop, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:
     """One greppable line per interval (and train_log.jsonl on rank 0, the trackers): the interval's
     metrics over all ranks."""
-    m = summarize(all_reduce_sums(meter.sums, loop.dist, loop.device), loop.cfg.ttt_steps)
+    m = summarize(all_reduce_sums(meter.sums, loop.dist, loop.device), loop.recipe.depths)
     elapsed = time.time() - meter.t0
     line = {
         "step": step,
