@@ -145,8 +145,8 @@ def test_training_learns_the_masked_slots(tmp_path):
     b = _row(40)
     with torch.no_grad():  # a learnable teacher: the verifier's head on its own states
         b["verifier_last"] = b["hidden_states"][..., :H] * 3
-    params = [p for n, p in model.named_parameters() if n not in ("embed_tokens.weight",
-                                                                 "verifier_lm_head.weight", "verifier_norm.weight")]
+    frozen = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+    params = [p for n, p in model.named_parameters() if n not in frozen]
     opt = torch.optim.AdamW(params, lr=3e-3)
     lc = resolve_loss_config("kl_div", "eager")
     losses = []
@@ -197,6 +197,7 @@ def test_mask_token_outside_the_vocabulary_is_one_clear_error():
     from eagle3_pipeline.models.draft import check_spec
 
     spec = draft_spec(H, VOCAB, DRAFT_VOCAB, (1, 3, 5), num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, intermediate_size=128, parallel_drafting=True, mask_token_id=VOCAB)  # fmt: skip
+                      head_dim=32, intermediate_size=128, parallel_drafting=True,
+                      mask_token_id=VOCAB)  # fmt: skip
     with pytest.raises(UserError, match="--mask-token-id 300 is outside"):
         check_spec(spec)

@@ -296,7 +296,8 @@ def _parallel_pairs(
         trained = parallel.draft_logits(model, b, anchor, depth)[0]
     pairs = [(trained[:T], logits0)]
     if k > 1:
-        got = [ref.masked_logits(cache.truncate(t + 1), int(b["position_ids"][0, t]), k) for t in slots.tolist()]
+        got = [ref.masked_logits(cache.truncate(t + 1), int(b["position_ids"][0, t]), k)
+               for t in slots.tolist()]  # fmt: skip
         pairs.append((trained[T:], torch.stack(got, dim=1).reshape(-1, trained.shape[-1])))
     return pairs
 

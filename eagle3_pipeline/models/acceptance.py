@@ -5,8 +5,8 @@ aux states at the ids the export's config names. A round starts with n known tok
 positions 0..n-2 and the last token just emitted: the draft's first pass over slots 0..n-2 proposes d1
 from slot n-2, then k-1 chain steps feed the previous pre-norm output back with the previous draft token
 at the next position (parallel drafting: drafts 2..k from k-1 masked slots at those positions in the
-same forward, `ReferenceDraft.masked_logits`). The verifier accepts the longest prefix of d1..dk equal to S[n..], then emits one
-token itself, so the next round starts at n + accepted + 1. Counters follow vLLM's
+same forward, `ReferenceDraft.masked_logits`). The verifier accepts the longest prefix of d1..dk equal
+to S[n..], then emits one token itself, so the next round starts at n + accepted + 1. Counters follow vLLM's
 (vllm:spec_decode_num_drafts, _num_accepted_tokens, _num_accepted_tokens_per_pos); mean acceptance
 length = 1 + accepted / drafts.
 
@@ -241,7 +241,7 @@ def greedy_proposals(
     n-2, then k-1 chain steps at positions n-1.., or with parallel drafting the k-1 masked slots there."""
     out0, logits0, cache = first
     proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
-    if k > 1 and draft.parallel:
+    if k > 1 and getattr(draft, "parallel", False):  # (stand-in drafts in tests have no masked slots)
         masked = draft.masked_logits(cache.truncate(n - 1), n - 2, k)
         return proposals + draft.to_target(masked.argmax(-1)).tolist()
     g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
@@ -281,7 +281,7 @@ def probabilistic_step(
     `first`: the first pass's (carried outputs, logits, cache). Returns the accepted count."""
     out0, logits0, cache = first
     g, c, lg = out0[n - 2 : n - 1], cache.truncate(n - 1), logits0[n - 2]
-    masked = draft.masked_logits(c, n - 2, k) if k > 1 and draft.parallel else None
+    masked = draft.masked_logits(c, n - 2, k) if k > 1 and getattr(draft, "parallel", False) else None
     chain: list[float] = []
     for j in range(k):
         if n + j >= seq.numel():  # past the trace: a shown output cannot settle these

@@ -107,7 +107,8 @@ def check_spec(spec: DraftSpec) -> None:
         )
     if spec.parallel and not 0 <= spec.mask_token_id < spec.vocab_size:
         raise UserError(
-            f"--mask-token-id {spec.mask_token_id} is outside the verifier's vocabulary (0..{spec.vocab_size - 1})"
+            f"--mask-token-id {spec.mask_token_id} is outside the verifier's vocabulary "
+            f"(0..{spec.vocab_size - 1})"
         )
     if spec.head_dim % 2:
         raise UserError(f"--head-dim {spec.head_dim} must be even (RoPE rotates pairs)")

@@ -113,7 +113,7 @@ def prefix_metrics(
     correct: torch.Tensor, scored: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor, n: int, k: int
 ) -> dict[str, torch.Tensor]:
     """full_acc_d (depths 0..d of a rollout all right) and cond_acc_d (depth d right given 0..d-1), over
-    the scored elements of depth d; the keys Eagle3DraftModel reports per TTT step (train_metrics.summarize)."""
+    the scored elements of depth d; the keys Eagle3DraftModel reports per TTT step (summarize reads them)."""
     right = torch.zeros(n, k, dtype=torch.bool, device=correct.device)
     counted = torch.zeros(n, k, dtype=torch.bool, device=correct.device)
     right[anchor, depth] = correct
