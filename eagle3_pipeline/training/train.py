@@ -10,7 +10,9 @@ of ranks) in epochs.py, the loss, validation metrics and the Recipe a resume com
 train_metrics.py, torchrun plumbing (several nodes, a lost rank) in distributed.py, the choice of
 attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
-`ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
+`ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward); a
+parallel draft (`parallel_drafting`) trains all its depths in one forward instead (parallel.py; its COD
+sampling draws from the CPU generator that checkpoints save and restore).
 With `states = "online"` the micro-batches are the same, their states asked of `vllm serve` processes
 while training (online.py) instead of read from shards.
 """
