@@ -82,8 +82,6 @@ class Recipe:
         """The recipe of a TrainConfig: each field read under its own name (val_ratio None with a split_dir:
         the split is stage 03's then, and num_train compares it)."""
         recipe = cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
-        if not recipe.parallel_drafting:  # the parallel settings change nothing in a sequential run
-            recipe = replace(recipe, parallel_k=None, cod_ratio=None, cod_ratio_min=None)
         return replace(recipe, val_ratio=None) if getattr(cfg, "split_dir", None) else recipe
 
     def to_json(self) -> dict[str, Any]:
