@@ -18,7 +18,7 @@ MARK = "@@eagle3 "  # the prefix of every answer line on the worker's stdout (vL
 # The settings an engine is built from: a request with other values needs another engine
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
-               "engine_overrides", "draft_sample_method")  # fmt: skip
+               "engine_overrides", "draft_sample_method", "parallel_drafting")  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -83,7 +83,7 @@ def load_request(path: str) -> dict:
     for key in ("max_model_len", "seed", "tensor_parallel_size"):
         if key in req and req[key] is not None and not _is_int(req[key]):
             raise RequestError(f"{key} must be an int")
-    for key in ("trust_remote_code", "enforce_eager", "ignore_eos"):
+    for key in ("trust_remote_code", "enforce_eager", "ignore_eos", "parallel_drafting"):
         if key in req and not isinstance(req[key], bool):
             raise RequestError(f"{key} must be true or false")
     stop = req.get("stop_token_ids", [])

@@ -20,7 +20,8 @@ Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens
 "enforce_eager" (default true: no torch.compile, the fastest start-up on CPU); sampling:
 "ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
 (default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1), "seeds"
-(one sampling seed per prompt; default: "seed" for every prompt).
+(one sampling seed per prompt; default: "seed" for every prompt); "parallel_drafting" (default false:
+vLLM's speculative-config key, all k drafts in one forward, for a draft exported with mask_token_id).
 
 Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
 extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
@@ -208,6 +209,8 @@ def engine_kwargs(req: dict) -> dict:
             "num_speculative_tokens": k,
             "draft_sample_method": req.get("draft_sample_method", "greedy"),
         }
+        if req.get("parallel_drafting"):
+            kwargs["speculative_config"]["parallel_drafting"] = True
     if req["task"] == "extract":
         # vLLM's extract_hidden_states method: the states at layer_ids (ascending; id = number of layers
         # is the last layer's pre-norm output) go through its KV cache to one safetensors file per

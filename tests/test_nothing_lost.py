@@ -122,7 +122,7 @@ def _changed(name: str, value: object) -> list[str]:
         "val_max_samples": "1", "max_seq_len": "512", "batch_tokens": "512", "grad_accum": "2",
         "state_noise": "0.1", "epochs": "2", "max_steps": "3", "lr": "2e-3", "lr_schedule": "linear",
         "min_lr_ratio": "0.2", "warmup_ratio": "0.5", "warmup_steps": "1", "weight_decay": "0.1",
-        "grad_clip": "1.0",
+        "grad_clip": "1.0", "parallel_k": "3", "cod_ratio": "0.5", "cod_ratio_min": "0.3",
     }  # fmt: skip
     flag = f"--{name.replace('_', '-')}"
     if isinstance(value, bool):

@@ -594,6 +594,30 @@ class TrainConfig(Settings):
     served_k: int = _f(
         3, "Draft tokens vLLM will serve with: validation acceptance_length counts these steps.", ge=1
     )
+    # Parallel drafting (P-EAGLE): vLLM 0.32 `"parallel_drafting": true` fills the k drafts of a step in one
+    # forward, slots 2..k holding a mask token and the learned mask_hidden (training/parallel.py).
+    parallel_drafting: bool = _f(
+        False,
+        "Train a parallel (P-EAGLE) draft: one forward proposes all k drafts of a step (mask token + learned "
+        "mask_hidden in the k-1 extra slots), served with \"parallel_drafting\": true; --ttt-steps unused.",
+    )
+    parallel_k: int = _f(
+        8, "With --parallel-drafting: the depths trained, the most draft tokens it serves with.", ge=1
+    )
+    cod_ratio: float = _f(
+        0.7,
+        "With --parallel-drafting: P-EAGLE's COD sub-sampling, depth d trains max(ratio**d, --cod-ratio-min) "
+        "of the positions (1: all).",
+        gt=0,
+        le=1,
+    )
+    cod_ratio_min: float = _f(0.2, "With --parallel-drafting: floor of the COD fraction per depth.", gt=0, le=1)
+    mask_token_id: int | None = _f(
+        None,
+        "With --parallel-drafting: the token id of the masked slots (vLLM's mask_token_id); its embedding is "
+        "the verifier's. Default: the verifier's last id (vocab_size - 1).",
+        ge=0,
+    )
     train_lm_head: bool = _f(
         True, "Train the draft lm_head, initialised from the verifier's rows (--no-train-lm-head: frozen)."
     )

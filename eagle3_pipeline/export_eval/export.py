@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.training import checkpoint
+from eagle3_pipeline.training import checkpoint, parallel
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.config import ExportConfig, provenance
 from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft
 from eagle3_pipeline.core.errors import DiskFull, UserError
 from eagle3_pipeline.data.packing import pack
-from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of
+from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
 from eagle3_pipeline.data.shards import load_sample, open_shards
 from eagle3_pipeline.models.verifier import draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
@@ -73,6 +73,8 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes["input_norm.weight"] = (n_aux * H,)
     if config.get("fc_norm"):
         shapes.update({f"fc_norm.{i}.weight": (H,) for i in range(n_aux)})
+    if parallel_config(config):  # parallel drafting: vLLM's mask_hidden buffer
+        shapes["mask_hidden"] = (1, n_aux * H)
     if dv != v:
         shapes["d2t"] = (dv,)
         shapes["t2d"] = (v,)
@@ -113,6 +115,8 @@ def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, An
             "norm_before_fc": spec.norm_before_fc,
         },
         **{k: getattr(spec, k) for k in NORM_FLAGS},
+        # parallel drafting: the first key vLLM reads for the masked slots' token (llm_base_proposer.py)
+        **({"mask_token_id": spec.mask_token_id} if spec.parallel else {}),
     }
 
 
@@ -125,6 +129,8 @@ def flat_weights(
         if name in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
             continue
         flat = "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+        if name == "mask_hidden":  # speculators' [1, 1, n_aux*H] parameter; vLLM's buffer is [1, n_aux*H]
+            t = t.reshape(1, -1)
         out[flat] = t.detach().to(torch.bfloat16).contiguous()
     if spec.draft_vocab_size != spec.vocab_size:
         out["d2t"] = d2t.to(torch.int64)
@@ -193,6 +199,14 @@ def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         p.append(f"eagle_config.norm_before_fc {nested_fc!r} != top-level {config.get('norm_before_fc')!r}")
     if config.get("rope_scaling") is not None:
         p.append("rope_scaling must be null (training used plain RoPE)")
+    trained_mask = spec.get("mask_token_id")
+    if trained_mask is not None and config.get("mask_token_id") is None:
+        p.append(
+            f"mask_token_id missing: a parallel draft (trained with mask token {trained_mask}) that vLLM "
+            "cannot serve with parallel_drafting (no mask_token_id / pard_token in config.json)"
+        )
+    elif config.get("mask_token_id") != trained_mask:
+        p.append(f"mask_token_id {config.get('mask_token_id')!r} != trained {trained_mask!r}")
     return p
 
 
@@ -214,14 +228,11 @@ def _tensor_problems(
     for name, shape in shapes.items():
         t = tensors.get(name)
         if t is None:
-            p.append(
-                f"{name} missing"
-                + (
-                    " (vLLM keeps d2t at zeros: every draft token maps to the wrong target token)"
-                    if name == "d2t"
-                    else ""
-                )
-            )
+            why = {
+                "d2t": " (vLLM keeps d2t at zeros: every draft token maps to the wrong target token)",
+                "mask_hidden": " (vLLM refuses to load a parallel draft without it: llama_eagle3.py)",
+            }
+            p.append(f"{name} missing{why.get(name, '')}")
         elif tuple(t.shape) != shape:
             p.append(f"{name}: shape {tuple(t.shape)} != {shape} from config.json")
         elif name == "d2t" and t.dtype != torch.int64:
@@ -236,53 +247,82 @@ def _tensor_problems(
     return p
 
 
+def _sequential_pairs(
+    ref: ReferenceDraft, model: Any, b: dict[str, torch.Tensor], ttt_steps: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(trained, read back) logits of one packed sample: TTT step 0 at every slot, step 1 at a few."""
+    captured: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
+    try:
+        with torch.no_grad():
+            model(
+                hidden_states=b["hidden_states"],
+                input_ids=b["input_ids"],
+                document_ids=b["document_ids"],
+                position_ids=b["position_ids"],
+                ttt_steps=min(2, ttt_steps),
+            )
+    finally:
+        hook.remove()
+    T = b["input_ids"].shape[1]
+    out0, logits0, cache = ref.first_pass(b["hidden_states"][0], b["input_ids"][0], b["position_ids"][0])
+    pairs = [(captured[0][0], logits0)]
+    if len(captured) > 1 and T > 2:  # step 1 at a few slots: chain on top of the first pass
+        slots = torch.linspace(0, T - 2, steps=min(8, T - 1)).long().unique()
+        got = []
+        for t in slots.tolist():
+            _, lg, _ = ref.step(
+                out0[t : t + 1],
+                b["input_ids"][0, t + 1 : t + 2],
+                b["position_ids"][0, t : t + 1] + 1,
+                cache.truncate(t + 1),
+            )
+            got.append(lg[0])
+        pairs.append((captured[1][0][slots], torch.stack(got)))
+    return pairs
+
+
+def _parallel_pairs(
+    ref: ReferenceDraft, model: Any, b: dict[str, torch.Tensor], k: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(trained, read back) logits of one packed sample for a parallel draft: every slot's first draft,
+    and the masked slots' drafts 2..k after a few slots (the training forward's rollouts)."""
+    T = b["input_ids"].shape[1]
+    _, logits0, cache = ref.first_pass(b["hidden_states"][0], b["input_ids"][0], b["position_ids"][0])
+    slots = torch.linspace(0, max(T - k, 0), steps=min(8, T)).long().unique()
+    anchor = torch.cat([torch.arange(T)] + [slots] * (k - 1))
+    depth = torch.cat([torch.zeros(T, dtype=torch.long)] + [torch.full_like(slots, d) for d in range(1, k)])
+    with torch.no_grad():
+        trained = parallel.draft_logits(model, b, anchor, depth)[0]
+    pairs = [(trained[:T], logits0)]
+    if k > 1:
+        got = [ref.masked_logits(cache.truncate(t + 1), int(b["position_ids"][0, t]), k)
+               for t in slots.tolist()]  # fmt: skip
+        pairs.append((trained[T:], torch.stack(got, dim=1).reshape(-1, trained.shape[-1])))
+    return pairs
+
+
 def readback_problems(
     export_dir: Path, model: Any, embed: torch.Tensor, samples: list[dict[str, torch.Tensor]], ttt_steps: int
 ) -> tuple[list[str], dict[str, float]]:
-    """Logits of the export read as vLLM reads it vs the trained model's, at TTT steps 0 and 1."""
+    """Logits of the export read as vLLM reads it vs the trained model's: TTT steps 0 and 1, or for a
+    parallel draft (an export with mask_hidden) the first draft and up to 3 masked slots."""
     ref = ReferenceDraft(export_dir, embed)
-    captured: list[torch.Tensor] = []
-    hook = model.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
     agree = total = 0
     err_sum = scale_sum = 0.0
-    try:
-        for s in samples:
-            b = pack([s], max_seq_len=10**9)
-            captured.clear()
-            with torch.no_grad():
-                model(
-                    hidden_states=b["hidden_states"],
-                    input_ids=b["input_ids"],
-                    document_ids=b["document_ids"],
-                    position_ids=b["position_ids"],
-                    ttt_steps=min(2, ttt_steps),
-                )
-            T = b["input_ids"].shape[1]
-            out0, logits0, cache = ref.first_pass(
-                b["hidden_states"][0], b["input_ids"][0], b["position_ids"][0]
-            )
-            pairs = [(captured[0][0], logits0)]
-            if len(captured) > 1 and T > 2:  # step 1 at a few slots: chain on top of the first pass
-                slots = torch.linspace(0, T - 2, steps=min(8, T - 1)).long().unique()
-                got = []
-                for t in slots.tolist():
-                    _, lg, _ = ref.step(
-                        out0[t : t + 1],
-                        b["input_ids"][0, t + 1 : t + 2],
-                        b["position_ids"][0, t : t + 1] + 1,
-                        cache.truncate(t + 1),
-                    )
-                    got.append(lg[0])
-                pairs.append((captured[1][0][slots], torch.stack(got)))
-            for want, have in pairs:
-                want_t = draft_to_target(want.argmax(-1), model.d2t)
-                have_t = ref.to_target(have.argmax(-1))
-                agree += int((want_t == have_t).sum())
-                total += want_t.numel()
-                err_sum += float((want.float() - have).abs().mean()) * want_t.numel()
-                scale_sum += float(want.float().std()) * want_t.numel()
-    finally:
-        hook.remove()
+    for s in samples:
+        b = pack([s], max_seq_len=10**9)
+        if ref.parallel:
+            pairs = _parallel_pairs(ref, model, b, min(4, b["input_ids"].shape[1]))
+        else:
+            pairs = _sequential_pairs(ref, model, b, ttt_steps)
+        for want, have in pairs:
+            want_t = draft_to_target(want.argmax(-1), model.d2t)
+            have_t = ref.to_target(have.argmax(-1))
+            agree += int((want_t == have_t).sum())
+            total += want_t.numel()
+            err_sum += float((want.float() - have).abs().mean()) * want_t.numel()
+            scale_sum += float(want.float().std()) * want_t.numel()
     stats = {
         "top1_agreement": agree / max(total, 1),
         "normalised_error": err_sum / max(scale_sum, 1e-12),
@@ -377,6 +417,7 @@ def serve_line(
     k: int,
     tensor_parallel_size: int = 0,
     draft_sample_method: str = "greedy",
+    parallel_drafting: bool = False,
 ) -> str:
     """The `vllm serve` command for this export: tensor parallel over the GPUs visible here (or the
     size given), --trust-remote-code only for a verifier that ships code, draft_sample_method only when it
@@ -386,6 +427,8 @@ def serve_line(
     spec = {"method": "eagle3", "model": str(export_dir.resolve()), "num_speculative_tokens": k}
     if draft_sample_method != "greedy":
         spec["draft_sample_method"] = draft_sample_method
+    if parallel_drafting:  # all k drafts in one forward (a draft trained with --parallel-drafting)
+        spec["parallel_drafting"] = True
     remote = " --trust-remote-code" if needs_remote_code(Path(verifier_path)) else ""
     return (
         f"vllm serve {verifier_path} --tensor-parallel-size {tensor_parallel_size}{remote} \\\n"
@@ -427,8 +470,12 @@ def run(cfg: ExportConfig) -> int:
             cfg.num_speculative_tokens,
             cfg.serve_tensor_parallel_size,
             cfg.draft_sample_method,
+            spec.parallel,
         )  # fmt: skip
     )
+    if spec.parallel and cfg.num_speculative_tokens > spec.parallel_k:
+        log.warning("num_speculative_tokens %d > the %d depths this parallel draft was trained for",
+                    cfg.num_speculative_tokens, spec.parallel_k)  # fmt: skip
     return 0
 
 
@@ -468,7 +515,10 @@ def _build(
             "readback": stats,
             "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
             # how it will be served: 06_evaluate.py evaluates it so unless its command line says otherwise
-            "served": {k: getattr(cfg, k) for k in ("draft_sample_method", "temperature", "top_p")},
+            "served": {
+                **{k: getattr(cfg, k) for k in ("draft_sample_method", "temperature", "top_p")},
+                "parallel_drafting": spec.parallel,  # vLLM's speculative config key; mask_token_id in config
+            },
             **provenance(cfg),
         },
     )

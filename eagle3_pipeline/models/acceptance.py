@@ -4,8 +4,9 @@ Per prompt: the verifier's greedy continuation S (what any lossless speculation 
 aux states at the ids the export's config names. A round starts with n known tokens, hidden states for
 positions 0..n-2 and the last token just emitted: the draft's first pass over slots 0..n-2 proposes d1
 from slot n-2, then k-1 chain steps feed the previous pre-norm output back with the previous draft token
-at the next position. The verifier accepts the longest prefix of d1..dk equal to S[n..], then emits one
-token itself, so the next round starts at n + accepted + 1. Counters follow vLLM's
+at the next position (parallel drafting: drafts 2..k from k-1 masked slots at those positions in the
+same forward, `ReferenceDraft.masked_logits`). The verifier accepts the longest prefix of d1..dk equal
+to S[n..], then emits one token itself, so the next round starts at n + accepted + 1. Counters follow vLLM's
 (vllm:spec_decode_num_drafts, _num_accepted_tokens, _num_accepted_tokens_per_pos); mean acceptance
 length = 1 + accepted / drafts.
 
@@ -208,12 +209,7 @@ def simulate_sequence(
         _record_request(counts, drafts0, accepted0)
         return
     while n < end:
-        proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
-        g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
-        for j in range(1, k):
-            token = torch.tensor([proposals[-1]])
-            g, lg, c = draft.step(g, token, torch.tensor([n - 2 + j]), c)
-            proposals.append(int(draft.to_target(lg[0].argmax()[None])[0]))
+        proposals = greedy_proposals(draft, (out0, logits0, cache), n, k)
         accepted = 0
         for j, tok in enumerate(proposals):
             if n + j >= total:  # past the trace: a shown output cannot settle these
@@ -236,6 +232,24 @@ def simulate_sequence(
     else:
         _add_expected(counts, seq, prompt_len, steps, trace_probs, verify)
     _record_request(counts, drafts0, accepted0)
+
+
+def greedy_proposals(
+    draft: ReferenceDraft, first: tuple[torch.Tensor, torch.Tensor, Any], n: int, k: int
+) -> list[int]:
+    """The k argmax drafts of the round starting with n known tokens (target ids): d1 from first-pass slot
+    n-2, then k-1 chain steps at positions n-1.., or with parallel drafting the k-1 masked slots there."""
+    out0, logits0, cache = first
+    proposals = [int(draft.to_target(logits0[n - 2].argmax()[None])[0])]
+    if k > 1 and getattr(draft, "parallel", False):  # (stand-in drafts in tests have no masked slots)
+        masked = draft.masked_logits(cache.truncate(n - 1), n - 2, k)
+        return proposals + draft.to_target(masked.argmax(-1)).tolist()
+    g, c = out0[n - 2 : n - 1], cache.truncate(n - 1)
+    for j in range(1, k):
+        token = torch.tensor([proposals[-1]])
+        g, lg, c = draft.step(g, token, torch.tensor([n - 2 + j]), c)
+        proposals.append(int(draft.to_target(lg[0].argmax()[None])[0]))
+    return proposals
 
 
 def _record_request(counts: AcceptanceCounts, drafts0: int, accepted0: list[int]) -> None:
@@ -267,6 +281,7 @@ def probabilistic_step(
     `first`: the first pass's (carried outputs, logits, cache). Returns the accepted count."""
     out0, logits0, cache = first
     g, c, lg = out0[n - 2 : n - 1], cache.truncate(n - 1), logits0[n - 2]
+    masked = draft.masked_logits(c, n - 2, k) if k > 1 and getattr(draft, "parallel", False) else None
     chain: list[float] = []
     for j in range(k):
         if n + j >= seq.numel():  # past the trace: a shown output cannot settle these
@@ -276,7 +291,9 @@ def probabilistic_step(
         t = int(seq[n + j])
         q_t = draft.target_prob(lg, t, temperature)
         chain.append(min(1.0, q_t / float(trace_probs[n - prompt_len + j, t])))
-        if j + 1 < k:
+        if j + 1 < k and masked is not None:  # parallel drafting: draft j+2 does not depend on t
+            lg = masked[j]
+        elif j + 1 < k:
             g, logits, c = draft.step(g, torch.tensor([t]), torch.tensor([n - 1 + j]), c)
             lg = logits[0]
     u = torch.rand(len(chain), generator=coins).tolist()

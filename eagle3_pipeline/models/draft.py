@@ -37,10 +37,20 @@ class DraftSpec:
     norm_before_fc: bool = False  # RMSNorm over concat(aux) before fc (weight input_norm.weight)
     fc_norm: bool = False  # RMSNorm per aux state before fc (fc_norm.<i>.weight); excludes norm_before_fc
     norm_output: bool = False  # the next draft step gets norm(out) instead of out
+    # Parallel drafting (P-EAGLE): the masked slots' token id (exported as vLLM's `mask_token_id`) and the
+    # depths trained; None: a sequential EAGLE-3 draft. The draft then holds `mask_hidden` [1, 1, n_aux*H].
+    mask_token_id: int | None = None
+    parallel_k: int | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.mask_token_id is not None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
+        if not self.parallel:  # a sequential draft records what it always did
+            del d["mask_token_id"], d["parallel_k"]
         return d
 
     @classmethod
@@ -69,13 +79,29 @@ def spec_for_training(
         norm_before_fc=train.norm_before_fc,
         fc_norm=train.fc_norm,
         norm_output=train.norm_output,
+        **parallel_settings(train, int(verifier["vocab_size"])),
     )
+
+
+def parallel_settings(train: Any, vocab_size: int) -> dict[str, Any]:
+    """DraftSpec's mask_token_id and parallel_k from `[train]` (none for a sequential draft); the mask
+    token defaults to the verifier's last id (Kimi-K2.5's are reserved special tokens)."""
+    if not getattr(train, "parallel_drafting", False):
+        return {}
+    mask = train.mask_token_id if train.mask_token_id is not None else vocab_size - 1
+    return {"mask_token_id": int(mask), "parallel_k": int(train.parallel_k)}
 
 
 def check_spec(spec: DraftSpec) -> None:
     """The [train] rules of the draft's shape (config.check_draft_shape), for a spec read back from a
-    checkpoint or built in code; a TrainConfig refuses the same when it is built."""
+    checkpoint or built in code; a TrainConfig refuses the same when it is built. The mask token is
+    checked here: only the verifier's vocabulary says which ids exist."""
     check_draft_shape(spec)
+    if spec.parallel and not 0 <= spec.mask_token_id < spec.vocab_size:
+        raise UserError(
+            f"--mask-token-id {spec.mask_token_id} is outside the verifier's vocabulary "
+            f"(0..{spec.vocab_size - 1})"
+        )
 
 
 def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:
@@ -107,10 +133,17 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
     """An Eagle3DraftModel on the current default device (use `torch.device('meta')` for shapes only)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     check_spec(spec)
-    config = Eagle3SpeculatorConfig(
+    # A parallel draft is speculators' PEagleDraftModel (Eagle3DraftModel + the mask_hidden parameter);
+    # its forward is training/parallel.py's, which samples as speculators does and runs vLLM's layout.
+    cls, config_cls = (PEagleDraftModel, PEagleSpeculatorConfig) if spec.parallel else (
+        Eagle3DraftModel, Eagle3SpeculatorConfig)  # fmt: skip
+    extra = {"mask_token_id": spec.mask_token_id, "embed_requires_grad": False} if spec.parallel else {}
+    config = config_cls(
+        **extra,
         transformer_layer_config=decoder_config(spec, attn_impl),
         draft_vocab_size=spec.draft_vocab_size,
         norm_before_residual=spec.norm_before_residual,
@@ -119,13 +152,13 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
         norm_output=spec.norm_output,
         eagle_aux_hidden_state_layer_ids=list(spec.aux_layer_ids),
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
+            algorithm="peagle" if spec.parallel else "eagle3",
             default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             verifier=VerifierConfig(name_or_path=None, architectures=[]),
         ),
     )
-    return Eagle3DraftModel(config)
+    return cls(config)
 
 
 def attach_verifier_tensors(

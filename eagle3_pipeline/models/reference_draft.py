@@ -10,7 +10,11 @@ This deliberately does not use the training classes. It follows vLLM's `LlamaFor
 - the norm flags as vLLM reads them, each default false: norm_before_residual; norm_before_fc
   (eagle_config first, then top level; weight input_norm) and fc_norm (fc_norm.<i>) before fc;
   norm_output (the next step gets norm(out) instead of out); RoPE (neox style) from rope_theta;
-- embed_tokens is the verifier's (the export ships none).
+- embed_tokens is the verifier's (the export ships none);
+- parallel drafting (served with `"parallel_drafting": true`, `llm_base_proposer.py`): `mask_token_id`
+  (the first of vLLM's keys, `_init_parallel_drafting_params`) and the `mask_hidden` tensor [1, n_aux*H];
+  drafts 2..k come from k-1 extra slots after the last verified one, each the mask token's embedding
+  beside combine_hidden_states(mask_hidden), at the next positions, attending causally (`masked_logits`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ def aux_layer_ids_of(config: dict[str, Any]) -> list[int] | None:
     if ids is None:
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return None if ids is None else list(ids)
+
+
+def parallel_config(config: dict[str, Any]) -> bool:
+    """A parallel-drafting export: config.json names the masked slots' token (vLLM's `mask_token_id`)."""
+    return config.get("mask_token_id") is not None
 
 
 @dataclass
@@ -92,6 +101,14 @@ class ReferenceDraft:
         self.draft_index = torch.full((c["vocab_size"],), -1, dtype=torch.long)  # target id -> draft id
         self.draft_index[self.to_target(torch.arange(draft_vocab))] = torch.arange(draft_vocab)
         self.embed = embed_tokens.float()
+        self.mask_token_id = c.get("mask_token_id") if parallel_config(c) else None
+        mask_hidden = w.get("mask_hidden")
+        self.mask_hidden = None if mask_hidden is None else mask_hidden.reshape(1, -1)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether vLLM serves this export with parallel drafting (it has a mask token and mask_hidden)."""
+        return self.mask_hidden is not None and self.mask_token_id is not None
 
     # --- pieces -------------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -174,3 +191,14 @@ class ReferenceDraft:
         """A further draft step: g is what the previous step carried (not passed through fc)."""
         out, cache = self._layer(g, token, position, cache)
         return self._carry(out), self.logits(out), cache
+
+    @torch.no_grad()
+    def masked_logits(self, cache: KVCache, last_position: int, k: int) -> torch.Tensor:
+        """Parallel drafting's k-1 extra slots after the last verified slot (`cache` holds it and every
+        slot before it), at positions last_position + 1 .. + k-1: logits [k-1, draft vocab] of drafts
+        2..k. Their tokens and hidden inputs are fixed, so nothing here depends on the drafts before."""
+        g = self.combine(self.mask_hidden).expand(k - 1, -1)
+        tokens = torch.full((k - 1,), int(self.mask_token_id), dtype=torch.long)
+        positions = torch.arange(last_position + 1, last_position + k)
+        out, _ = self._layer(g, tokens, positions, cache)
+        return self.logits(out)

@@ -10,7 +10,9 @@ of ranks) in epochs.py, the loss, validation metrics and the Recipe a resume com
 train_metrics.py, torchrun plumbing (several nodes, a lost rank) in distributed.py, the choice of
 attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
-`ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward).
+`ttt_steps` steps, each feeding the draft's own output back (speculators' Eagle3DraftModel.forward); a
+parallel draft (`parallel_drafting`) trains all its depths in one forward instead (parallel.py; its COD
+sampling draws from the CPU generator that checkpoints save and restore).
 With `states = "online"` the micro-batches are the same, their states asked of `vllm serve` processes
 while training (online.py) instead of read from shards.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.training import checkpoint, plots
+from eagle3_pipeline.training import checkpoint, parallel, plots
 from eagle3_pipeline.core import schedule, storage, trackers
 from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.core.cli import EXIT_INTERRUPTED, progress
@@ -225,7 +227,10 @@ def build_model(
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
     model = model.to(device)
-    kernels.set_compile(model, kern)
+    if spec.parallel:  # its forward is training/parallel.py's (row lengths vary: never compiled)
+        parallel.bind(model)
+    else:
+        kernels.set_compile(model, kern)
     return model, names
 
 
@@ -557,7 +562,7 @@ def _padding(loop: TrainLoop) -> dict[str, torch.Tensor]:
 def _log_interval(loop: TrainLoop, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:
     """One greppable line per interval (and train_log.jsonl on rank 0, the trackers): the interval's
     metrics over all ranks."""
-    m = summarize(all_reduce_sums(meter.sums, loop.dist, loop.device), loop.cfg.ttt_steps)
+    m = summarize(all_reduce_sums(meter.sums, loop.dist, loop.device), loop.recipe.depths)
     elapsed = time.time() - meter.t0
     line = {
         "step": step,

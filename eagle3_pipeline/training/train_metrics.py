@@ -51,6 +51,11 @@ class Recipe:
     served_k: int | None = None
     loss_temperature: float = 1.0
     loss_top_p: float = 1.0
+    # a parallel (P-EAGLE) draft: the depths trained and COD's sub-sampling (training/parallel.py)
+    parallel_drafting: bool = False
+    parallel_k: int | None = None
+    cod_ratio: float | None = None
+    cod_ratio_min: float | None = None
     # the samples and their order (split, shuffle, packing)
     seed: int | None = None
     val_ratio: float | None = None
@@ -81,6 +86,11 @@ class Recipe:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def depths(self) -> int:
+        """The draft positions one forward trains and validation reports: TTT steps, or parallel_k."""
+        return int(self.parallel_k) if self.parallel_drafting else self.ttt_steps
 
     def loss_config(self, kern: kernels.Kernels) -> dict[str, Any]:
         """speculators' loss_config for this recipe: its losses as they are, or (a served distribution)
@@ -121,13 +131,18 @@ def forward(
     kern: kernels.Kernels,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """speculators' Eagle3DraftModel.forward over a packed batch: TTT unrolled, the recipe's loss against
-    the verifier's distribution.
+    the verifier's distribution (a parallel draft: training/parallel.py, COD-sampled while training,
+    every rollout in validation).
 
     The row is padded first where the kernels ask for it (flex: a multiple of its block; compile: a
     length bucket; kernel_policy.py says why); padding carries loss mask 0 and document id -1.
     """
     n = batch["input_ids"].shape[1]
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if recipe.parallel_drafting:  # training/parallel.py's forward, bound by parallel.bind (not padded)
+        cod = (recipe.cod_ratio, recipe.cod_ratio_min) if model.training else None
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            return model(b, recipe.depths, cod, recipe.loss_config(kern))
     b = kernels.pad_batch(b, kernels.padded_length(n, kern))
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         _, value, metrics = model(
@@ -193,7 +208,7 @@ def validate(
         _, metrics = forward(model, batch, recipe, device, autocast_dtype, kern)
         accumulate(sums, metrics)
     model.train()
-    return summarize(all_reduce_sums(sums, dist, device), recipe.ttt_steps, recipe.served_k)
+    return summarize(all_reduce_sums(sums, dist, device), recipe.depths, recipe.served_k)
 
 
 def log_validation(step: int, val: dict[str, float], label: str) -> None:

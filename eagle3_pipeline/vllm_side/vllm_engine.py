@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.models.reference_draft import parallel_config
 from eagle3_vllm import cpu, protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +43,13 @@ def available(python: str | Path | None = None) -> tuple[bool, str]:
     return True, probe.stdout.strip()
 
 
+def parallel_export(draft_dir: Path) -> bool:
+    """Whether vLLM must serve this export with "parallel_drafting": true (its config.json names a mask
+    token: a draft trained with --parallel-drafting)."""
+    cfg = draft_dir / "config.json"
+    return cfg.is_file() and parallel_config(json.loads(cfg.read_text()))
+
+
 def _engine_fields(gpus: int) -> dict[str, Any]:
     """fp32 on CPU (the tiny models; this CPU has no fast bf16), the checkpoint's dtype and every visible
     GPU (tensor parallel) on a GPU box."""
@@ -61,6 +69,7 @@ def generate_fields(
     `draft_sample_method` is vLLM's ("greedy": the draft's argmax; "probabilistic": drawn from it)."""
     return {
         "draft_sample_method": draft_sample_method,
+        "parallel_drafting": draft is not None and parallel_export(Path(draft)),
         "verifier": str(verifier),
         "draft": None if draft is None else str(draft),
         "prompts": prompts,
