@@ -199,10 +199,10 @@ def planned_steps(root: Path, epochs: int, batch_tokens: int) -> int:
     return epochs * len(micro_batches(train_refs, batch_tokens, 1024, 0, 0))
 
 
-def project_recipe(run: str, dataset: str) -> tuple[str, list[str]]:
-    """The project's run folder and flags on `dataset`: its served mode's recipe (RECIPE_MODE), else
-    04_train's defaults; the ablations change one factor from it."""
-    mode = RECIPE_MODE.get(dataset)
+def project_recipe(run: str, dataset: str, modes: dict[str, str] = RECIPE_MODE) -> tuple[str, list[str]]:
+    """The project's run folder and flags on `dataset`: its served mode's recipe (`modes`: RECIPE_MODE,
+    and `given` with --given-recipe), else 04_train's defaults; the ablations change one factor from it."""
+    mode = modes.get(dataset)
     return (run, []) if mode is None else (f"{run}_{mode}", ["--loss", SERVED_MODES[mode].loss])
 
 
@@ -211,6 +211,8 @@ def project_train(
     vocab_dir: Path | None = None,
 ) -> Path:
     out = root / "runs" / run
+    if finished(out, steps):
+        return out
     sh(["04_train.py", "--data-dir", str(root / "hidden_states"), "--split-dir", str(root / "split"),
         "--vocab-mapping-dir", str(vocab_dir or root / "vocab"), "--out-dir", str(out),
         "--max-steps", str(steps),
@@ -219,6 +221,14 @@ def project_train(
         "--intermediate-size", str(hidden["intermediate"]), "--max-position-embeddings", "2048",
         "--log-every", "50", *extra], log, threads)  # fmt: skip
     return out
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether the run in `run_dir` holds its complete step-`steps` checkpoint: cached, not run again (a
+    resume would also refuse a run whose meta.json predates the recorded recipe)."""
+    from eagle3_pipeline.training.checkpoint import complete_checkpoints, step_dir
+
+    return step_dir(run_dir / "checkpoints", steps) in complete_checkpoints(run_dir / "checkpoints")
 
 
 def speculators_run(root: Path, run: str, steps: int, log: Path, threads: int) -> Path:
@@ -454,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument(
         "--ablation-epochs", type=int, default=1, help="epochs of each ablation run (and its baseline)"
     )
+    p.add_argument("--ablations-every-k", action="store_true",
+                   help="simulate the ablation rows at every served k (default: k = 3 only)")
+    p.add_argument("--given-recipe", default=None, choices=list(SERVED_MODES),
+                   help="the project's rows on `given` train with this served mode's recipe (thinking: KL) "
+                        "in <project-run>_<mode> (default: 04_train's defaults)")
     p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
     p.add_argument("--ablation-data", default="regenerated", choices=["given", "regenerated", "regenerated_t1"],
                    help="data set of the ablation runs (regenerated_t1: regenerated at the thinking settings)")
@@ -518,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated_t1"), "--temperature", "1.0",
         "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
     phase("regenerate thinking 1.0/0.95", t)
+    modes = {**RECIPE_MODE, **({"given": a.given_recipe} if a.given_recipe else {})}
     draft_vocab = a.draft_vocab_size or (8192 if a.verifier == "smollm2" else 1024)
     aux_ids = aux_layer_ids(work, a.verifier)
     t = time.time()
@@ -541,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             drafts[f"speculators/{ds}"] = export(run, log, a.threads)
             rows.append({"recipe": "speculators", "data": ds, "steps": steps})
         if f"project/{ds}" in a.headline:
-            name, recipe = project_recipe(a.project_run, ds)
+            name, recipe = project_recipe(a.project_run, ds, modes)
             run = project_train(root, name, steps, recipe, log, a.threads, hidden)
             drafts[f"project/{ds}"] = export(run, log, a.threads)
             rows.append({"recipe": "project", "data": ds, "steps": steps})
@@ -551,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         root = datasets["regenerated_t1"]
         vocab_dir = full_vocab(root, int(vcfg["vocab_size"]), log, a.threads)
         steps = planned_steps(root, a.epochs, 1024)
-        name, recipe = project_recipe(f"{a.project_run}_fullvocab", "regenerated_t1")
+        name, recipe = project_recipe(f"{a.project_run}_fullvocab", "regenerated_t1", modes)
         run = project_train(root, name, steps, recipe, log, a.threads, hidden, vocab_dir)
         drafts["project full vocab/regenerated_t1"] = export(run, log, a.threads)
         rows.append({"recipe": "project full vocab", "data": "regenerated_t1", "steps": steps,
@@ -579,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
             name, extra = item
-            headline_run, recipe = project_recipe(a.project_run, a.ablation_data)
+            headline_run, recipe = project_recipe(a.project_run, a.ablation_data, modes)
             run = f"abl{a.ablation_epochs}-{headline_run}-" + "".join(c if c.isalnum() else "_" for c in name)
             if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
                 # the headline run on this data set is the same training: not run twice (its folder is
@@ -596,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         with ThreadPoolExecutor(a.jobs) as pool:
             for name, draft in pool.map(one, variants.items()):
                 drafts[f"{name}/{a.ablation_data}/ablation"] = draft
-                rows.append({"recipe": name, "data": a.ablation_data, "steps": steps, "ablation": True})
+                rows.append({"recipe": name, "data": a.ablation_data, "steps": steps, "ablation": True,
+                             "all_ks": a.ablations_every_k})  # fmt: skip
     aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"
     ]

@@ -1,4 +1,5 @@
-"""The pure helpers of the real-verifier benchmark: sharpness and the standard error of AL (no model)."""
+"""The pure helpers of the real-verifier benchmark: sharpness, the standard error of AL, the recipe of a row and
+which runs are cached (no model)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,31 @@ def test_al_standard_error_treats_requests_as_clusters():
     # two requests, 10 steps each, 8 and 2 accepted: rate 0.5, residuals +3 / -3 -> sqrt(2 * 18) / 20
     assert math.isclose(dq.al_standard_error([(10, [8, 0]), (10, [1, 1])]), math.sqrt(36) / 20)
     assert dq.al_standard_error([(10, [3, 2])]) == math.inf  # one request: no spread to estimate
+
+
+def test_project_recipe_takes_the_given_rows_mode_when_asked():
+    dq = _load("draft_quality")
+    # the served modes' recipes on their regenerations; 04_train's defaults on the given rows
+    assert dq.project_recipe("project", "regenerated_t1") == ("project_thinking", ["--loss", "kl_div"])
+    assert dq.project_recipe("project", "regenerated") == ("project_greedy", ["--loss", "ce"])
+    assert dq.project_recipe("project", "given") == ("project", [])
+    # --given-recipe thinking: the thinking recipe on the given rows, in a run folder of its own
+    modes = {**dq.RECIPE_MODE, "given": "thinking"}
+    assert dq.project_recipe("project", "given", modes) == ("project_thinking", ["--loss", "kl_div"])
+    assert dq.project_recipe("project", "regenerated", modes) == ("project_greedy", ["--loss", "ce"])
+
+
+def test_a_run_is_cached_only_when_its_last_checkpoint_is_complete(tmp_path):
+    dq = _load("draft_quality")
+    from eagle3_pipeline.core.storage import mark_complete
+
+    ckpts = tmp_path / "checkpoints"
+    assert not dq.finished(tmp_path, 72)  # nothing trained
+    (ckpts / "step_000072").mkdir(parents=True)
+    assert not dq.finished(tmp_path, 72)  # being written: no COMPLETE marker yet
+    (ckpts / "step_000064").mkdir()
+    mark_complete(ckpts / "step_000064")
+    assert not dq.finished(tmp_path, 72)  # an earlier step only
+    mark_complete(ckpts / "step_000072")
+    assert dq.finished(tmp_path, 72)
+    assert not dq.finished(tmp_path, 80)  # a longer run resumes
