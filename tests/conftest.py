@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,15 @@ def tiny_llama_verifier(tmp_path_factory) -> Path:
     return build_verifier("llama", tmp_path_factory.mktemp("verifier") / "llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_mla_verifier(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 with Kimi-K2.5's MLA latent (kv_lora_rank 512 + qk_rope_head_dim 64): the verifier
+    the vLLM extraction and online-states tests share (read only)."""
+    from eagle3_pipeline.models.tiny import build_verifier
+
+    return build_verifier("kimi_mla", tmp_path_factory.mktemp("verifier") / "kimi_mla")
+
+
 def run_tiny_pipeline(config_name: str, old_root: str, root: Path) -> Path:
     """scripts/run_tiny.sh on configs/<config_name> with its run folder moved to `root`; returns root."""
     cfg = moved_config(REPO / "configs" / config_name, old_root, root, root / config_name)
@@ -121,10 +131,67 @@ def run_tiny_pipeline(config_name: str, old_root: str, root: Path) -> Path:
     return root
 
 
+def run_tiny_stages(config_name: str, old_root: str, root: Path) -> Path:
+    """What scripts/run_tiny.sh makes of configs/<config_name> (run folder moved to `root`) up to its two
+    exports, the trained draft and the untrained one beside it (summary.untrained_dir), without its two
+    simulated evaluations, for tests that evaluate the exports themselves (the vLLM tier runs
+    `06_evaluate.py --engine both`): those two were 161 of its 340 CPU seconds on tiny_mla.toml."""
+    import tomllib
+
+    from eagle3_pipeline.core.cli import STAGES
+    from eagle3_pipeline.export_eval.summary import untrained_dir
+
+    cfg = moved_config(REPO / "configs" / config_name, old_root, root, root / config_name)
+    sections = tomllib.loads(cfg.read_text())
+    run_script("-m", "eagle3_pipeline.models.tiny", "--from-config", str(cfg))
+    for section, stage in STAGES.items():  # the stage order's one owner, as run_tiny.sh reads it
+        if section != "evaluate" and (section != "regenerate" or section in sections):
+            run_script(script(stage), "--config", str(cfg), timeout=1800)
+    draft = Path(sections["export"]["out_dir"])
+    run_script(script("05_export.py"), "--config", str(cfg), "--checkpoint", "init", "--out-dir",
+               str(untrained_dir(draft)))  # fmt: skip
+    return root
+
+
+# The vLLM tier's two verifiers: a tiny Llama, and a tiny DeepSeek-V3 with Kimi-K2.5's MLA latent
+# (kv_lora_rank 512 + qk_rope_head_dim 64), the code path Kimi takes in vLLM (configs/tiny_mla.toml).
+TIER_CONFIGS = {"llama": "tiny_llama.toml", "mla": "tiny_mla.toml"}
+
+
+@pytest.fixture(scope="session")
+def tier_stages(tmp_path_factory):
+    """run_tiny_stages on a tier verifier's config, once per session whichever tests ask:
+    `tier_stages("mla")` is its run folder: verifier/, regenerated/, hidden_states/, vocab/, split/,
+    train/, draft/, draft_init/ and the moved config tiny_mla.toml. Other drafts train on the same shards
+    with `04_train.py --config <root>/tiny_mla.toml --out-dir <their own folder>` (the folder is shared:
+    write only under new names)."""
+    runs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            config = TIER_CONFIGS[name]
+            root = tmp_path_factory.mktemp(name)
+            runs[name] = run_tiny_stages(config, f"runs/{config.removesuffix('.toml')}", root)
+        return runs[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
-    """Every stage on configs/tiny.toml (tiny DeepSeek-V3 verifier) in a temp folder."""
-    return run_tiny_pipeline("tiny.toml", "runs/tiny", tmp_path_factory.mktemp("tiny_run"))
+    """Every stage on configs/tiny.toml (tiny DeepSeek-V3 verifier) in a temp folder. Under .ci/run, whose
+    first command has just made that run (scripts/run_tiny.sh, log in run.log), EAGLE3_TINY_RUN names it
+    and this is a copy of it, config moved, instead of the same stages again."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    made = os.environ.get("EAGLE3_TINY_RUN")
+    if not made:
+        return run_tiny_pipeline("tiny.toml", "runs/tiny", root)
+    src = REPO / made
+    if not (src / "run.log").is_file() or "summary of" not in (src / "run.log").read_text():
+        raise RuntimeError(f"EAGLE3_TINY_RUN={made}: no finished scripts/run_tiny.sh run with its run.log")
+    shutil.copytree(src, root, dirs_exist_ok=True)
+    moved_config(REPO / "configs" / "tiny.toml", "runs/tiny", root, root / "tiny.toml")
+    return root
 
 
 def read_jsonl(path: Path) -> list[dict]:

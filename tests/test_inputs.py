@@ -123,6 +123,20 @@ def test_evaluation_data_that_is_missing_is_one_clear_error(tiny_run, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_vllm_environment_without_vllm_is_one_clear_error(tiny_verifier, tmp_path):
+    """A worker's environment is probed (vLLM imported, seconds on these CPUs) only when its process dies
+    before answering, not on every start: a python without vllm is still named in one line."""
+    import sys
+
+    proc = run_script(
+        script("00_regenerate.py"), "--verifier-path", str(tiny_verifier), "--data-path",
+        str(DATA / "conversations.jsonl"), "--out-dir", str(tmp_path / "r"), "--engine", "vllm",
+        "--vllm-python", sys.executable, "--max-new-tokens", "4", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"vLLM engine unavailable: {sys.executable} cannot import vllm" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_datasets_folder_is_read_like_jsonl(tiny_verifier, tmp_path):
     import datasets
 

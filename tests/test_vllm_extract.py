@@ -31,10 +31,8 @@ SHARDS = ((0, 4), (4, 8), (8, 10))  # the shard loop over the 10 rows of tests/d
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory) -> Path:
-    from eagle3_pipeline.models.tiny import build_verifier
-
-    return build_verifier("kimi_mla", tmp_path_factory.mktemp("mla") / "verifier")
+def verifier(tiny_mla_verifier) -> Path:
+    return tiny_mla_verifier
 
 
 def _args(verifier: Path, out_dir: Path | str, *extra: str) -> list[str]:

@@ -98,13 +98,11 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_mla_verifier, tmp_path_factory):
     """The tiny Kimi-latent verifier, its token shards and stage 01 vLLM shards of the same rows (each
     with its vocab mapping and split), and two servers."""
-    from eagle3_pipeline.models.tiny import build_verifier
-
     root = tmp_path_factory.mktemp("online")
-    verifier = build_verifier("kimi_mla", root / "verifier")
+    verifier = tiny_mla_verifier
     tokens = _stage_inputs(root / "tokens", verifier, "--storage-dtype", "none")
     states_dir = root / "served-states"
     servers = [Server(tokens["shards"], states_dir, root / f"server{i}.log") for i in range(2)]

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, run_script, run_tiny_pipeline, script, vllm_available
+from conftest import CONVERSATIONS, TIER_CONFIGS, run_script, script, vllm_available
 from sabotage import SABOTAGES
 
 from eagle3_pipeline.vllm_side import vllm_engine
@@ -98,19 +98,17 @@ def test_cpu_plugin_lets_a_seeded_request_survive_the_rewind_after_a_chunked_pre
     assert lines == ["bare CPU Generator does not use offset", "plugin True"], proc.stdout[-2000:]
 
 
-# The two verifiers the tier serves: a tiny Llama, and a tiny DeepSeek-V3 with Kimi-K2.5's MLA latent
-# (kv_lora_rank 512 + qk_rope_head_dim 64), the code path Kimi takes in vLLM (configs/tiny_mla.toml).
-RUNS = {"llama": "tiny_llama.toml", "mla": "tiny_mla.toml"}
+# The two verifiers the tier serves (conftest.TIER_CONFIGS): a tiny Llama, and a tiny DeepSeek-V3 with
+# Kimi-K2.5's MLA latent, the code path Kimi takes in vLLM.
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
-def tier_run(request, tmp_path_factory) -> Path:
-    """scripts/run_tiny.sh on the run's config; it exports the untrained (init) draft beside the trained
-    one (summary.untrained_dir: draft_init), the baseline the tests serve."""
-    name = RUNS[request.param]
-    root = run_tiny_pipeline(
-        name, f"runs/{name.removesuffix('.toml')}", tmp_path_factory.mktemp(request.param)
-    )
+@pytest.fixture(scope="module", params=sorted(TIER_CONFIGS))
+def tier_run(request, tier_stages) -> Path:
+    """scripts/run_tiny.sh's stages on the verifier's config up to its exports (conftest.tier_stages, once
+    per session): the trained draft and the untrained (init) one beside it (summary.untrained_dir:
+    draft_init), the baseline the tests serve; the tests evaluate them in vLLM and the simulation
+    themselves (`trained`)."""
+    root = tier_stages(request.param)
     assert (root / "draft_init" / "config.json").is_file()
     return root
 

@@ -31,7 +31,8 @@ def default_python() -> Path:
 
 
 def available(python: str | Path | None = None) -> tuple[bool, str]:
-    """(usable, why not) for the vLLM environment."""
+    """(usable, why not) for the vLLM environment: its python imports vllm (about 5 s of CPU: a worker
+    asks only when its process died before answering, `unavailable`)."""
     py = Path(python) if python else default_python()
     if not py.exists():
         return False, f"{py} not found: run scripts/setup_vllm_cpu.sh (or set VLLM_PYTHON)"
@@ -48,6 +49,17 @@ def parallel_export(draft_dir: Path) -> bool:
     token: a draft trained with --parallel-drafting)."""
     cfg = draft_dir / "config.json"
     return cfg.is_file() and parallel_config(json.loads(cfg.read_text()))
+
+
+def unavailable(python: str | Path | None, cheap: bool = False) -> None:
+    """Raise the one-line reason when the vLLM environment is unusable: `cheap` checks only that its python
+    exists (before starting a worker); otherwise vllm's import is tried too (after a worker died)."""
+    py = Path(python) if python else default_python()
+    if cheap and py.exists():
+        return
+    ok, why = available(py)
+    if not ok:
+        raise UserError(f"vLLM engine unavailable: {why}")
 
 
 def _engine_fields(gpus: int) -> dict[str, Any]:
@@ -117,10 +129,9 @@ class WorkerSession:
         probe: bool = True,
     ):
         self.address = address
-        if address is None and probe:  # (probe=False: the caller has checked the environment)
-            ok, why = available(python)
-            if not ok:
-                raise UserError(f"vLLM engine unavailable: {why}")
+        self.probe = address is None and probe  # (probe=False: the caller has checked the environment)
+        if self.probe:
+            unavailable(python, cheap=True)
         self.python = Path(python) if python else default_python()
         self.tmp = tempfile.TemporaryDirectory(prefix="vllm-session-")
         self.log_path = log_path or Path(self.tmp.name) / "worker.log"
@@ -188,6 +199,8 @@ class WorkerSession:
         else:
             if self.proc is None:
                 raise UserError(f"vLLM server at {self.address} closed the connection (see its log)")
+            if self.probe:
+                unavailable(self.python)
             tail = "\n".join(self.log_path.read_text().strip().splitlines()[-15:])
             raise UserError(f"vLLM worker exited (code {self.proc.wait()}):\n{tail}")
         if "error" in answer:
@@ -202,6 +215,9 @@ class WorkerSession:
             try:
                 if self.proc.stdin:
                     self.proc.stdin.close()
+            except OSError:
+                pass  # a worker that died: the error being raised says why
+            try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
@@ -216,9 +232,7 @@ def start_server(
     host:port) once its engine has started. Its log (vLLM's) goes to `log_path`."""
     import torch
 
-    ok, why = available(python)
-    if not ok:
-        raise UserError(f"vLLM engine unavailable: {why}")
+    unavailable(python, cheap=True)
     py = Path(python) if python else default_python()
     request = log_path.with_suffix(".request.json")
     request.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
@@ -234,6 +248,7 @@ def start_server(
     for line in proc.stdout:
         if line.startswith(WorkerSession.MARK):
             return proc, json.loads(line[len(WorkerSession.MARK) :])["listening"]
+    unavailable(py)
     tail = "\n".join(log_path.read_text().strip().splitlines()[-15:])
     raise UserError(f"vLLM server did not start (exit {proc.wait()}), {log_path}:\n{tail}")
 
