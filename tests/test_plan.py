@@ -381,6 +381,13 @@ def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_on
             assert s["tokens_per_second"] == pytest.approx(b * 2.88 / (verify + d))
     h16 = r["by_gpu"]["H200"]["16"]
     assert f"batch 16: break-even AL {h16['break_even_al']:.2f}, at AL 2.88 {h16['speedup']:.2f}x" in proc.stdout
+    # a parallel draft's plan counts one draft forward per step
+    proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
+                      str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2",
+                      "--parallel-drafting", "--plan-json", str(out))  # fmt: skip
+    rp = json.loads(out.read_text())["speedup"]
+    assert rp["parallel"] and "k=3 (parallel drafting, 1 draft forward)" in proc.stdout
+    assert rp["by_gpu"]["H200"]["16"]["draft_s"] < r["by_gpu"]["H200"]["16"]["draft_s"]
     # parallel drafting: one draft forward instead of k, so less draft time at k = 8
     text = json.loads((kimi_config_only / "config.json").read_text())["text_config"]
     v = speedup.verifier_model(text, 70272)

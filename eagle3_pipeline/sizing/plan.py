@@ -273,16 +273,16 @@ def build(
 
 def serving_speedup(
     text: dict[str, Any], spec: DraftSpec, draft: dict[str, Any], kv: dict[str, Any], k: int, opts: PlanOptions
-) -> dict[str, Any] | None:
-    """The serving cost model's lines (speedup.py) for this draft beside this verifier; None when the
-    verifier's config lacks a field the model needs."""
+) -> dict[str, Any]:
+    """The serving cost model's lines (speedup.py) for this draft (one forward per step when it drafts in
+    parallel) beside this verifier; {"missing": field} when the verifier's config lacks one it needs."""
     tp = kv["tensor_parallel_size"]
     try:
         verifier = speedup.verifier_model(text, kv["verifier"]["per_tp_rank"])
     except KeyError as e:
         return {"missing": str(e)}
     d = speedup.draft_model(draft["shapes"], kv["draft"]["per_tp_rank"], spec.num_attention_heads, spec.head_dim)
-    return speedup.report(verifier, d, k, False, tp, opts.plan_context, opts.plan_al)
+    return speedup.report(verifier, d, k, spec.parallel, tp, opts.plan_context, opts.plan_al)
 
 
 def _gb(n: float | None) -> str:
