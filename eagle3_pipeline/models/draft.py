@@ -1,5 +1,9 @@
 """The EAGLE-3 draft: speculators' Eagle3DraftModel with a decoder config built field by field.
 
+Two decoder layers ([train] draft_arch, core/config.py DRAFT_ARCHS): llama (a LlamaConfig, vLLM's
+llama_eagle3.py) and mla (a DeepseekV3Config, vLLM's deepseek_eagle3.py; models/mla_draft.py). The MLA
+dims come from the verifier's config.json unless [train] sets them (`mla_dims`).
+
 Nothing is inherited from the verifier's config except hidden size, vocabulary size and norm epsilon:
 speculators 0.9.0 would take head_dim 64 from a native `kimi_k25` config (qk_rope_head_dim) and 112
 from the remote-code one, while the draft trains and serves with head_dim 128 (contract item 1).
@@ -13,6 +17,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.models import mla_draft
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,14 @@ class DraftSpec:
     norm_before_fc: bool = False  # RMSNorm over concat(aux) before fc (weight input_norm.weight)
     fc_norm: bool = False  # RMSNorm per aux state before fc (fc_norm.<i>.weight); excludes norm_before_fc
     norm_output: bool = False  # the next draft step gets norm(out) instead of out
+    # draft_arch "mla" (mla_draft.py): the latent attention's dims; unused (0) by the llama layer, whose
+    # num_key_value_heads / head_dim the MLA layer ignores. q_lora_rank 0: a plain q_proj.
+    draft_arch: str = "llama"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -51,8 +64,13 @@ def spec_for_training(
     train: Any, verifier: dict[str, Any], draft_vocab_size: int, aux_layer_ids: Any
 ) -> DraftSpec:
     """The draft a training run builds (stage 04) and its plan sizes: the shapes and norm flags of the
-    `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier."""
+    `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier
+    (for an MLA draft also the verifier's MLA dims that [train] leaves unset: `verifier` is then its
+    text config.json)."""
+    arch = getattr(train, "draft_arch", "llama")
     return DraftSpec(
+        **(mla_dims(train, verifier) if arch == "mla" else {}),
+        draft_arch=arch,
         hidden_size=int(verifier["hidden_size"]),
         num_attention_heads=train.num_attention_heads,
         num_key_value_heads=train.num_key_value_heads,
@@ -71,10 +89,30 @@ def spec_for_training(
     )
 
 
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_dims(train: Any, verifier: dict[str, Any]) -> dict[str, int]:
+    """Each MLA dim: [train] mla_<dim> when set, else the verifier's config.json value (q_lora_rank null
+    there: 0, a plain q_proj); a dim neither gives is refused, naming the flag."""
+    out = {}
+    for dim in MLA_DIMS:
+        value = getattr(train, f"mla_{dim}", None)
+        if value is None:
+            if dim not in verifier or (verifier[dim] is None and dim != "q_lora_rank"):
+                raise UserError(
+                    f"--draft-arch mla: the verifier's config.json has no `{dim}` (not an MLA verifier); "
+                    f"set --mla-{dim.replace('_', '-')}"
+                )
+            value = verifier[dim] or 0
+        out[dim] = int(value)
+    return out
+
+
 def check_spec(spec: DraftSpec) -> None:
     """The rules between the draft's settings (stage 04 checks them before it writes anything), naming the
     [train] flags and the fix."""
-    if spec.num_attention_heads % spec.num_key_value_heads:
+    if spec.draft_arch == "llama" and spec.num_attention_heads % spec.num_key_value_heads:
         raise UserError(
             f"--num-attention-heads {spec.num_attention_heads} must be a multiple of --num-key-value-heads "
             f"{spec.num_key_value_heads} (grouped-query attention shares each key/value head among whole "
@@ -85,6 +123,13 @@ def check_spec(spec: DraftSpec) -> None:
             "--norm-before-fc and --fc-norm are mutually exclusive (speculators and vLLM); add "
             "--no-norm-before-fc to use --fc-norm"
         )
+    if spec.draft_arch == "mla" and spec.norm_before_fc:
+        raise UserError(
+            "--draft-arch mla: vLLM's deepseek_eagle3.py has no norm_before_fc (input_norm) and would skip "
+            "it; add --no-norm-before-fc (--fc-norm normalises each aux state instead)"
+        )
+    if spec.draft_arch == "mla" and spec.qk_rope_head_dim % 2:
+        raise UserError(f"--mla-qk-rope-head-dim {spec.qk_rope_head_dim} must be even (RoPE rotates pairs)")
     if spec.head_dim % 2:
         raise UserError(f"--head-dim {spec.head_dim} must be even (RoPE rotates pairs)")
 
@@ -121,8 +166,13 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     check_spec(spec)
+    if spec.draft_arch == "mla":
+        mla_draft.register()
+        layer_config = mla_draft.mla_decoder_config(spec, attn_impl)
+    else:
+        layer_config = decoder_config(spec, attn_impl)
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=decoder_config(spec, attn_impl),
+        transformer_layer_config=layer_config,
         draft_vocab_size=spec.draft_vocab_size,
         norm_before_residual=spec.norm_before_residual,
         norm_before_fc=spec.norm_before_fc,

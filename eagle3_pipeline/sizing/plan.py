@@ -110,6 +110,9 @@ def memory_per_gpu(
     T, S = max(cfg.batch_tokens, cfg.max_seq_len), cfg.ttt_steps
     H, inter, n_aux = spec.hidden_size, spec.intermediate_size, len(spec.aux_layer_ids)
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    if spec.draft_arch == "mla":  # queries nope + rope wide; the cached latent expanded to k and v per head
+        q = spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        kv = (q + spec.num_attention_heads * spec.v_head_dim) // 2
     Vd = spec.draft_vocab_size
     trainable = draft["trainable_parameters"]
     once = T * (n_aux * H * 4 + H * 4 + n_aux * H * b + H * b + Vd * 4)
@@ -200,7 +203,7 @@ def build(
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(layers), layers)
     verifier = {"hidden_size": H, "vocab_size": int(text["vocab_size"]),
                 "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6))}  # fmt: skip
-    spec = spec_for_training(train, verifier, draft_vocab_size, aux)
+    spec = spec_for_training(train, {**text, **verifier}, draft_vocab_size, aux)  # text: the MLA dims
     draft = draft_report(spec, train.train_lm_head)
     # token shards (online states): the ids and masks only, planned when the run stores no states
     dtypes = (*PLAN_DTYPES, *((storage_name,) if storage_name == state_dtype.NO_STATES else ()))
