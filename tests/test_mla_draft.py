@@ -277,3 +277,72 @@ def test_spec_round_trips_through_json_and_older_specs_read_as_llama():
     assert DraftSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
     before = {k: v for k, v in spec.to_json().items() if k not in (*MLA_DIMS, "draft_arch")}
     assert DraftSpec.from_json(before).draft_arch == "llama"  # checkpoints from before draft_arch existed
+
+
+def test_train_plan_for_a_kimi_mla_draft_matches_hand_computed_numbers(tmp_path):
+    """04_train.py --plan --draft-arch mla on kimi_k25.toml over a config-only Kimi-K2.5: the MLA draft's
+    parameters by hand and its KV line, one latent of (512 + 64) x 2 B = 1,152 B/token = +1.6% of
+    Kimi-K2.5's 70,272 B on every rank, where the llama draft adds 4,096 B/rank at TP 8 and 32,768 B under DP
+    attention."""
+    from conftest import run_script, script
+    from test_plan import FROZEN, H, KIMI, VD, kimi_config_only
+
+    verifier = kimi_config_only.__wrapped__(tmp_path)
+    out = tmp_path / "plan.json"
+    proc = run_script(
+        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier),
+        "--draft-arch", "mla", "--no-norm-before-fc", "--plan-rows", "600000", "--plan-tokens-per-row", "2000",
+        "--plan-json", str(out),
+    )  # fmt: skip
+    p = json.loads(out.read_text())
+    attention = (1536 * 14336 + 1536 + 64 * 192 * 1536  # q_a, q_a_layernorm, q_b
+                 + 576 * 14336 + 512 + 64 * 256 * 512 + H * 64 * 128)  # kv_a, kv_a_layernorm, kv_b, o
+    trainable = H * 3 * H + attention + 3 * 18432 * H + 4 * H + VD * H  # fc, attn, mlp, 4 norms, lm_head
+    assert p["draft"]["trainable_parameters"] == trainable
+    assert p["draft"]["total_parameters"] == trainable + FROZEN
+    assert p["draft"]["spec"]["draft_arch"] == "mla"
+    assert p["draft"]["shapes"]["layers.0.self_attn.kv_a_proj_with_mqa.weight"] == [576, 14336]
+    kv = p["kv_cache"]
+    assert kv["draft"]["attention"] == "mla"
+    assert kv["tp"]["draft"] == kv["dp_attention"]["draft"] == 1152
+    assert kv["tp"]["share"] == pytest.approx(1152 / 70_272)  # +1.6%
+    assert "draft 1,152 B (1 layer x (512 + 64) x 2 B, MLA latent)" in proc.stdout
+    assert "= +1.6% | DP attention: draft 1,152 B vs 70,272 B = +1.6%" in proc.stdout
+
+
+def test_mla_activation_estimate_matches_what_the_draft_saves_for_backward():
+    """The plan's activations + sdpa mask bytes for an MLA draft against what autograd keeps (fp32, CPU,
+    sdpa), as test_plan checks the llama draft: within the same 0.9-1.15."""
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.models.draft import build_draft, trainable_names
+    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
+    from eagle3_pipeline.training.kernel_policy import resolve
+    from eagle3_pipeline.training.train_metrics import Recipe, forward
+
+    spec = dataclasses.replace(tiny_spec(norm_before_residual=False, norm_output=False), vocab_size=320)
+    T, S = 1024, 3
+    torch.manual_seed(0)
+    model = build_draft(spec, "sdpa")
+    names = set(trainable_names(model, False))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = {
+        "hidden_states": torch.randn(1, T, 3 * 256), "input_ids": torch.randint(0, 320, (1, T)),
+        "document_ids": torch.zeros(1, T, dtype=torch.long), "loss_mask": torch.ones(1, T, dtype=torch.bool),
+        "position_ids": torch.arange(T)[None], "verifier_last": torch.randn(1, T, 256),
+    }  # fmt: skip
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        kern = resolve("sdpa", "eager", "off", torch.device("cpu"), T)
+        loss = forward(model, batch, Recipe(S, 1.0, "kl_div"), torch.device("cpu"), None, kern)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(v for k, v in saved.items() if k not in weights)
+    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32", attn_impl="sdpa")
+    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 1, cuda=False)
+    assert 0.9 <= measured / (m["activations"] + m["attention_mask"]) <= 1.15, (measured, m)
+    assert loss is not None
