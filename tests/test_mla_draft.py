@@ -25,8 +25,11 @@ def train_cfg(**kw: object):
     return TrainConfig(**{**base, **kw})
 
 
+KIMI_TRAIN = train_cfg(num_attention_heads=64, intermediate_size=18432)
+
+
 def tiny_spec(**train: object):
-    """An MLA draft over the tiny Kimi-latent verifier (models/tiny.py kimi_mla: hidden 256, latent 512+64)."""
+    """An MLA draft over the tiny Kimi-latent verifier (models/tiny.py kimi_mla: hidden 256, latent 576)."""
     from eagle3_pipeline.models.draft import spec_for_training
     from eagle3_pipeline.models.tiny import tiny_config
 
@@ -118,7 +121,8 @@ def test_training_forward_equals_vllms_reading_of_the_export(tmp_path, q_lora):
     torch.testing.assert_close(logits0, captured[0][0], atol=1e-4 * spread * 10, rtol=1e-4)
     # TTT step 1 at slot t: the draft's carry at t, the token t+1, position t+1, over the first pass's cache
     for t in (0, 5, T - 2):
-        _, lg, _ = ref.step(out0[t : t + 1], ids[0, t + 1 : t + 2], pos[0, t : t + 1] + 1, cache.truncate(t + 1))
+        _, lg, _ = ref.step(out0[t : t + 1], ids[0, t + 1 : t + 2], pos[0, t : t + 1] + 1,
+                            cache.truncate(t + 1))  # fmt: skip
         torch.testing.assert_close(lg[0], captured[1][0, t], atol=1e-3 * spread, rtol=1e-4)
 
 
@@ -233,7 +237,7 @@ def test_kimi_mla_draft_kv_cache_is_one_latent_per_token():
     from eagle3_pipeline.sizing.kv_cache import draft_kv
 
     kimi = {"hidden_size": 7168, "vocab_size": 163840, "rms_norm_eps": 1e-5, **KIMI_MLA}
-    mla = spec_for_training(train_cfg(num_attention_heads=64, intermediate_size=18432), kimi, 163840, (2, 30, 58))
+    mla = spec_for_training(KIMI_TRAIN, kimi, 163840, (2, 30, 58))
     kv = draft_kv(mla, tp=8)
     assert (kv["attention"], kv["full"], kv["per_tp_rank"]) == ("mla", 1152, 1152)
     llama = spec_for_training(train_cfg(draft_arch="llama", num_attention_heads=64), kimi, 32000, (2, 30, 58))
@@ -247,7 +251,7 @@ def test_kimi_mla_draft_shapes_on_meta_device():
     from eagle3_pipeline.models.draft import build_draft, spec_for_training
 
     kimi = {"hidden_size": 7168, "vocab_size": 163840, "rms_norm_eps": 1e-5, **KIMI_MLA}
-    spec = spec_for_training(train_cfg(num_attention_heads=64, intermediate_size=18432), kimi, 163840, (2, 30, 58))
+    spec = spec_for_training(KIMI_TRAIN, kimi, 163840, (2, 30, 58))
     with torch.device("meta"):
         model = build_draft(spec)
         tensors = flat_weights(dict(model.named_parameters()), None, None, spec)
@@ -291,8 +295,8 @@ def test_train_plan_for_a_kimi_mla_draft_matches_hand_computed_numbers(tmp_path)
     out = tmp_path / "plan.json"
     proc = run_script(
         script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier),
-        "--draft-arch", "mla", "--no-norm-before-fc", "--plan-rows", "600000", "--plan-tokens-per-row", "2000",
-        "--plan-json", str(out),
+        "--draft-arch", "mla", "--no-norm-before-fc", "--plan-rows", "600000",
+        "--plan-tokens-per-row", "2000", "--plan-json", str(out),
     )  # fmt: skip
     p = json.loads(out.read_text())
     attention = (1536 * 14336 + 1536 + 64 * 192 * 1536  # q_a, q_a_layernorm, q_b

@@ -29,7 +29,11 @@ from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.shards import load_sample, open_shards
 from eagle3_pipeline.models.verifier import draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
-from eagle3_pipeline.export_eval.export_mla import mla_attention_shapes, mla_config_fields, mla_config_problems
+from eagle3_pipeline.export_eval.export_mla import (
+    mla_attention_shapes,
+    mla_config_fields,
+    mla_config_problems,
+)
 
 log = logging.getLogger("eagle3.export")
 

@@ -76,7 +76,8 @@ def mla_config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[st
     for dim in MLA_DIMS:
         want = spec.get(dim, 0) or (None if dim == "q_lora_rank" else 0)
         if dim not in config:
-            p.append(f"{dim} missing: vLLM would take {'None' if dim == 'q_lora_rank' else 0}; trained {want}")
+            default = None if dim == "q_lora_rank" else 0
+            p.append(f"{dim} missing: vLLM would take {default}; trained {want}")
         elif config[dim] != want:
             p.append(f"{dim} {config[dim]!r} != trained {want!r}")
     if config.get("num_hidden_layers") != 1:

@@ -32,7 +32,7 @@ def _first_layer_class() -> type:
     from speculators.models.eagle3.model_definitions import Eagle3FirstLayerMixin
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-    class DeepseekV3DecoderEagle3FirstLayer(Eagle3FirstLayerMixin, DeepseekV3DecoderLayer):  # type: ignore[misc]
+    class DeepseekV3DecoderEagle3FirstLayer(Eagle3FirstLayerMixin, DeepseekV3DecoderLayer):  # type: ignore
         """DeepseekV3DecoderLayer whose attention reads 2 x hidden (cat of embeds and g)."""
 
         def __init__(self, config: Any, layer_idx: int, norm_before_residual: bool = False):
@@ -54,7 +54,7 @@ def _first_layer_class() -> type:
 
 
 def register() -> None:
-    """Make speculators' Eagle3DraftModel build the MLA layer for a deepseek_v3 decoder config (idempotent)."""
+    """Make speculators' Eagle3DraftModel build the MLA layer for a deepseek_v3 decoder config (once)."""
     from speculators.models.base_components import ModelComponents
     from speculators.models.eagle3.model_definitions import model_classes
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -70,7 +70,7 @@ def register() -> None:
 
 
 def mla_decoder_config(spec: Any, attn_impl: str) -> Any:
-    """A one-layer DeepseekV3Config holding the draft spec's MLA dims; layer 0 dense (first_k_dense_replace)."""
+    """A one-layer DeepseekV3Config of the draft spec's MLA dims; layer 0 dense (first_k_dense_replace)."""
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(

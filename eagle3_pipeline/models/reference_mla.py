@@ -27,7 +27,7 @@ MLA_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCa
 
 
 def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """GPT-J style rotary embedding on [..., T, d]: pair (x[2i], x[2i+1]) rotated by positions x theta^(-2i/d)."""
+    """GPT-J style rotary embedding on [..., T, d]: pair (x[2i], x[2i+1]) turned by pos x theta^(-2i/d)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     ang = positions.double()[:, None] * inv_freq[None]
@@ -66,7 +66,8 @@ class MlaReferenceDraft(ReferenceDraft):
     ) -> tuple[torch.Tensor, KVCache]:
         T, H = x.shape[0], self.heads
         q = self._queries(x).view(T, H, self.nope + self.rope_dim).transpose(0, 1)
-        q = torch.cat([q[..., : self.nope], rope_interleaved(q[..., self.nope :], positions, self.rope_theta)], -1)
+        q_pe = rope_interleaved(q[..., self.nope :], positions, self.rope_theta)
+        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
         kv_a = x @ self.wkv_a.T
         latent = _rms_norm(kv_a[:, : self.latent], self.n_kv_a, self.eps)
         k_pe = rope_interleaved(kv_a[:, self.latent :], positions, self.rope_theta)  # [T, rope], shared

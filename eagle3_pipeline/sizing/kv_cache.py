@@ -98,7 +98,8 @@ def render_lines(kv: dict[str, Any]) -> list[str]:
         v_formula = f"{v['layers']} layers x 2 x {heads} x {b} B"
         v_tp = "kv heads sharded"
     if d["attention"] == "mla":
-        d_formula = f"{d['layers']} layer x ({d['kv_lora_rank']} + {d['qk_rope_head_dim']}) x {b} B, MLA latent"
+        latent = f"({d['kv_lora_rank']} + {d['qk_rope_head_dim']})"
+        d_formula = f"{d['layers']} layer x {latent} x {b} B, MLA latent"
     else:
         d_formula = f"{d['layers']} layer x 2 x {d['num_key_value_heads']} kv heads x {d['head_dim']} x {b} B"
     t, dp = kv["tp"], kv["dp_attention"]

@@ -288,7 +288,8 @@ def render(p: dict[str, Any]) -> str:
         f"verifier      {v['path']} ({v['top_architecture']}, {v['model_type']}): {v['num_hidden_layers']} "
         f"layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}",
         f"aux layer ids {p['aux_layer_ids']} (vLLM convention)",
-        f"draft         fc {sh['fc.weight']} | {_attention_shapes(sh)} | o {sh['layers.0.self_attn.o_proj.weight']} | "
+        f"draft         fc {sh['fc.weight']} | {_attention_shapes(sh)} | "
+        f"o {sh['layers.0.self_attn.o_proj.weight']} | "
         f"mlp 3 x {sh['layers.0.mlp.gate_proj.weight']} | lm_head {sh['lm_head.weight']} ({frozen})",
         f"parameters    trainable {d['trainable_parameters']:,} | total {d['total_parameters']:,} "
         "(with the frozen embedding and teacher head)",

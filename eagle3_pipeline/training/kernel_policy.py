@@ -175,8 +175,9 @@ def set_compile(model: Any, k: Kernels) -> None:
 
 
 def attention_extra_bytes(
-    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int, sdpa_math: bool = False
-) -> int:
+    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int,
+    sdpa_math: bool = False,
+) -> int:  # fmt: skip
     """Peak bytes one forward+backward of the draft holds for attention beyond q/k/v/output (which
     every implementation keeps), at a packed row of T = batch_tokens tokens and ttt_steps TTT steps:
     the sum of `attention_extra_terms` (which says where each term comes from)."""
@@ -185,8 +186,9 @@ def attention_extra_bytes(
 
 
 def attention_extra_terms(
-    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int, sdpa_math: bool = False
-) -> dict[str, int]:
+    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int,
+    sdpa_math: bool = False,
+) -> dict[str, int]:  # fmt: skip
     """attention_extra_bytes by term. From speculators 0.9.0 models/eagle3/core.py: the mask is built
     over [T, T] and widened by a [T, T] diagonal block after every step (also after the last), so step s
     attends over KV = T * (s + 1); old masks die when the next one replaces them.
