@@ -35,7 +35,6 @@ def mla_config_fields(spec: DraftSpec) -> dict[str, Any]:
         "v_head_dim": spec.v_head_dim,
         "num_key_value_heads": spec.num_attention_heads,
         "first_k_dense_replace": 1,  # vLLM's Eagle3 layer is always dense; stated for transformers' loader
-        "n_routed_experts": None,
     }
 
 
