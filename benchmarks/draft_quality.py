@@ -364,9 +364,9 @@ class Evaluator:
 
         from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, verify_pass
         from eagle3_pipeline.export_eval.evaluate import COIN_SEED
-        from eagle3_pipeline.models.reference_draft import ReferenceDraft
+        from eagle3_pipeline.models.reference_mla import read_export
 
-        draft = ReferenceDraft(draft_dir, self.embed)
+        draft = read_export(draft_dir, self.embed)
         sampling = self.sampling(setting)
         verify = None if sampling.greedy else verify_pass(self.model, self.capture, sampling)
         probabilistic = sampling if setting in PROBABILISTIC else None

@@ -46,3 +46,12 @@ def attention_config(dtype: str, verifier: str) -> dict | None:
     if dtype == "float32" and text_config(verifier).get("kv_lora_rank"):
         return {"backend": "CPU_MLA"}
     return None
+
+
+def draft_attention_backend(dtype: str, draft: str | None) -> str | None:
+    """The same for an MLA draft (Eagle3DeepseekV2ForCausalLM): vLLM picks the draft's attention backend
+    on its own, never the verifier's (llm_base_proposer.py), so AMX_MLA unless the speculative config's
+    `attention_backend` says CPU_MLA."""
+    if draft is not None and dtype == "float32" and text_config(draft).get("kv_lora_rank"):
+        return "CPU_MLA"
+    return None

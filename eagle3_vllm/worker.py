@@ -234,6 +234,9 @@ def engine_kwargs(req: dict) -> dict:
         attention = cpu.attention_config(kwargs["dtype"], req["verifier"])
         if attention is not None:
             kwargs["attention_config"] = attention
+        draft_backend = cpu.draft_attention_backend(kwargs["dtype"], draft)
+        if draft_backend is not None and "speculative_config" in kwargs and req["task"] != "extract":
+            kwargs["speculative_config"]["attention_backend"] = draft_backend
     kwargs.update(req.get("engine_overrides") or {})  # tests: e.g. the negative control's settings
     return kwargs
 

@@ -45,6 +45,9 @@ EXTRACT_ENGINES = ("hf", "vllm")
 STATE_SOURCES = ("shards", "online")  # [train] states (online.py)
 TRANSFERS = ("file", "fp8", "mooncake")  # hs_connectors 0.9's backends (transfer.py's registry)
 EVALUATE_ENGINES = ("sim", "vllm", "both")
+# [train] draft_arch: the draft's decoder layer. llama: speculators' Eagle3 Llama layer (vLLM
+# llama_eagle3.py); mla: a DeepSeek-V3 MLA layer with a dense MLP (vLLM deepseek_eagle3.py, models/mla_draft.py)
+DRAFT_ARCHS = ("llama", "mla")
 # speculators 0.9.0's loss names (losses/utils.py, _EAGER_LOSS_FN_MAP and _FUSED_LOSS_FN_MAP): importing
 # them costs torch and seconds; tests/test_config_checks.py pins this tuple against that file.
 LOSS_NAMES = ("ce", "kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
@@ -227,7 +230,18 @@ def _even_problem(n: int) -> str | None:
 def _draft_shape_problem(d: Any) -> str | None:
     """Why the draft's shape settings do not go together (None: they do), naming the [train] flags and the
     fix; `d`, a TrainConfig or a DraftSpec (models/draft.py), which share the names."""
-    if d.num_attention_heads % d.num_key_value_heads:
+    mla = d.draft_arch == "mla"
+    if mla and d.norm_before_fc:
+        return (
+            "--draft-arch mla: vLLM's deepseek_eagle3.py has no norm_before_fc (input_norm) and would skip "
+            "it; add --no-norm-before-fc (--fc-norm normalises each aux state instead)"
+        )
+    if mla and (d.parallel if hasattr(d, "parallel") else d.parallel_drafting):
+        return (
+            "--draft-arch mla with --parallel-drafting: vLLM 0.32's deepseek_eagle3.py has no mask_hidden, "
+            "so it cannot serve an MLA draft in parallel; drop either"
+        )
+    if not mla and d.num_attention_heads % d.num_key_value_heads:
         return (
             f"--num-attention-heads {d.num_attention_heads} must be a multiple of --num-key-value-heads "
             f"{d.num_key_value_heads} (grouped-query attention shares each key/value head among whole "
@@ -571,7 +585,27 @@ class TrainConfig(Settings):
         "buckets: a few static shapes), off. See eagle3_pipeline/training/kernel_policy.py.",
         choices=COMPILE_MODES,
     )
-    num_attention_heads: int = _f(64, "Draft attention heads.", ge=1)
+    draft_arch: str = _f(
+        "llama",
+        "Draft decoder layer: llama (GQA, the head_dim / num_key_value_heads below) or mla (DeepSeek-V3 "
+        "multi-head latent attention as vLLM's deepseek_eagle3.py serves it: one latent of kv_lora_rank + "
+        "qk_rope_head_dim cached per token; the mla_* dims below, default the verifier's).",
+        choices=DRAFT_ARCHS,
+    )
+    mla_q_lora_rank: int | None = _f(
+        None, "MLA draft query LoRA rank (0: a plain q_proj); default: the verifier's q_lora_rank.", ge=0
+    )
+    mla_kv_lora_rank: int | None = _f(
+        None, "MLA draft latent width (cached per token); default: the verifier's kv_lora_rank.", ge=1
+    )
+    mla_qk_nope_head_dim: int | None = _f(
+        None, "MLA draft per-head query/key width without RoPE; default: the verifier's.", ge=1
+    )
+    mla_qk_rope_head_dim: int | None = _f(
+        None, "MLA draft per-head RoPE width (shared key, cached); default: the verifier's.", ge=2
+    )
+    mla_v_head_dim: int | None = _f(None, "MLA draft per-head value width; default: the verifier's.", ge=1)
+    num_attention_heads: int = _f(64, "Draft attention heads (llama and mla).", ge=1)
     num_key_value_heads: int = _f(64, "Draft key/value heads.", ge=1)
     head_dim: int = _f(
         128,
@@ -580,7 +614,9 @@ class TrainConfig(Settings):
         check=_even_problem,
     )
     intermediate_size: int = _f(18432, "Draft MLP width.", ge=1)
-    rope_theta: float = _f(1e6, "Draft RoPE theta (independent of the verifier's MLA RoPE).", gt=0)
+    rope_theta: float = _f(
+        1e6, "Draft RoPE theta, plain RoPE for both archs (independent of the verifier's yarn RoPE).", gt=0
+    )
     max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.", ge=1)
     # The EAGLE-3.1 norms, all three on as in speculators (measured: docs/results.md "Ablations from the
     # plain EAGLE-3 recipe"); vLLM >= 0.32 reads them (older: ignored).

@@ -29,7 +29,7 @@ from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.core.config import EvaluateConfig, provenance
 from eagle3_pipeline.data.conversations import RowRejected, read_rows
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.models.reference_draft import ReferenceDraft
+from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.samples import first_prompt
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
@@ -125,7 +125,7 @@ def simulate(
     over vLLM's sampled outputs for the same requests."""
     facts = verifier_facts(verifier_path)
     embed = load_verifier_tensors(verifier_path, facts.tie_word_embeddings)["embed_tokens"]
-    draft = ReferenceDraft(draft_dir, embed)
+    draft = read_export(draft_dir, embed)
     if draft.aux_layer_ids is None:
         raise UserError(f"{draft_dir}/config.json: no eagle_aux_hidden_state_layer_ids")
     model = load_verifier_model(

@@ -25,9 +25,15 @@ from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, bui
 from eagle3_pipeline.core.errors import DiskFull, UserError
 from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
+from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.shards import load_sample, open_shards
 from eagle3_pipeline.models.verifier import draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
+from eagle3_pipeline.export_eval.export_mla import (
+    mla_attention_shapes,
+    mla_config_fields,
+    mla_config_problems,
+)
 
 log = logging.getLogger("eagle3.export")
 
@@ -48,18 +54,24 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, from config.json alone (contract section 2)."""
     H = config["hidden_size"]
-    hd = config["head_dim"]
-    q = config["num_attention_heads"] * hd
-    kv = config["num_key_value_heads"] * hd
     inter = config["intermediate_size"]
     n_aux = len(config["eagle_aux_hidden_state_layer_ids"])
     dv, v = config["draft_vocab_size"], config["vocab_size"]
+    if "kv_lora_rank" in config:  # an MLA draft (export_mla.py)
+        attention = mla_attention_shapes(config)
+    else:
+        hd = config["head_dim"]
+        q = config["num_attention_heads"] * hd
+        kv = config["num_key_value_heads"] * hd
+        attention = {
+            "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+            "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+            "midlayer.self_attn.o_proj.weight": (H, q),
+        }
     shapes = {
         "fc.weight": (H, n_aux * H),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.o_proj.weight": (H, q),
+        **attention,
         "midlayer.mlp.gate_proj.weight": (inter, H),
         "midlayer.mlp.up_proj.weight": (inter, H),
         "midlayer.mlp.down_proj.weight": (H, inter),
@@ -84,7 +96,7 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json for vLLM: every field that vLLM would otherwise default or guess, stated."""
     ids = list(spec.aux_layer_ids)
-    return {
+    config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "dtype": "bfloat16",
@@ -118,6 +130,10 @@ def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, An
         # parallel drafting: the first key vLLM reads for the masked slots' token (llm_base_proposer.py)
         **({"mask_token_id": spec.mask_token_id} if spec.parallel else {}),
     }
+    if spec.draft_arch == "mla":  # no head_dim: vLLM's MLA reads the qk/v dims (export_mla.py)
+        config.pop("head_dim")
+        config.update(mla_config_fields(spec))
+    return config
 
 
 def flat_weights(
@@ -151,12 +167,16 @@ def static_problems(
 def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     """config.json against the trained draft's spec: what vLLM reads and would get wrong silently."""
     p: list[str] = []
-    if config.get("architectures") != ["LlamaForCausalLMEagle3"] or config.get("model_type") != "llama":
+    if spec.get("draft_arch", "llama") == "mla":
+        p += mla_config_problems(config, spec)
+    elif config.get("architectures") != ["LlamaForCausalLMEagle3"] or config.get("model_type") != "llama":
         p.append(
             "architectures must be [LlamaForCausalLMEagle3] with model_type llama (deepseek_v3 would be "
             "rewritten into an MTP draft)"
         )
-    if "head_dim" not in config:
+    if spec.get("draft_arch", "llama") == "mla":
+        pass  # MLA: the head widths are the qk/v dims checked above
+    elif "head_dim" not in config:
         p.append(
             f"head_dim missing: vLLM would use hidden_size // num_attention_heads = "
             f"{config.get('hidden_size', 0) // max(config.get('num_attention_heads', 1), 1)} and narrow the "
@@ -178,7 +198,7 @@ def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     for key in (
         "hidden_size",
         "num_attention_heads",
-        "num_key_value_heads",
+        *(() if spec.get("draft_arch", "llama") == "mla" else ("num_key_value_heads",)),
         "intermediate_size",
         "vocab_size",
         "draft_vocab_size",
@@ -305,9 +325,10 @@ def _parallel_pairs(
 def readback_problems(
     export_dir: Path, model: Any, embed: torch.Tensor, samples: list[dict[str, torch.Tensor]], ttt_steps: int
 ) -> tuple[list[str], dict[str, float]]:
-    """Logits of the export read as vLLM reads it vs the trained model's: TTT steps 0 and 1, or for a
-    parallel draft (an export with mask_hidden) the first draft and up to 3 masked slots."""
-    ref = ReferenceDraft(export_dir, embed)
+    """Logits of the export read as vLLM reads it (reference_mla.read_export: the MLA or the llama layer)
+    vs the trained model's: TTT steps 0 and 1, or for a parallel draft (an export with mask_hidden) the
+    first draft and up to 3 masked slots."""
+    ref = read_export(export_dir, embed)
     agree = total = 0
     err_sum = scale_sum = 0.0
     for s in samples:

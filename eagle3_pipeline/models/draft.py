@@ -1,5 +1,9 @@
 """The EAGLE-3 draft: speculators' Eagle3DraftModel with a decoder config built field by field.
 
+Two decoder layers ([train] draft_arch, core/config.py DRAFT_ARCHS): llama (a LlamaConfig, vLLM's
+llama_eagle3.py) and mla (a DeepseekV3Config, vLLM's deepseek_eagle3.py; models/mla_draft.py). The MLA
+dims come from the verifier's config.json unless [train] sets them (`mla_dims`).
+
 Nothing is inherited from the verifier's config except hidden size, vocabulary size and norm epsilon:
 speculators 0.9.0 would take head_dim 64 from a native `kimi_k25` config (qk_rope_head_dim) and 112
 from the remote-code one, while the draft trains and serves with head_dim 128 (contract item 1).
@@ -14,6 +18,7 @@ import torch
 
 from eagle3_pipeline.core.config import check_draft_shape
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.models import mla_draft
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,14 @@ class DraftSpec:
     norm_before_fc: bool = False  # RMSNorm over concat(aux) before fc (weight input_norm.weight)
     fc_norm: bool = False  # RMSNorm per aux state before fc (fc_norm.<i>.weight); excludes norm_before_fc
     norm_output: bool = False  # the next draft step gets norm(out) instead of out
+    # draft_arch "mla" (mla_draft.py): the latent attention's dims; unused (0) by the llama layer, whose
+    # num_key_value_heads / head_dim the MLA layer ignores. q_lora_rank 0: a plain q_proj.
+    draft_arch: str = "llama"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Parallel drafting (P-EAGLE): the masked slots' token id (exported as vLLM's `mask_token_id`) and the
     # depths trained; None: a sequential EAGLE-3 draft. The draft then holds `mask_hidden` [1, 1, n_aux*H].
     mask_token_id: int | None = None
@@ -62,8 +75,13 @@ def spec_for_training(
     train: Any, verifier: dict[str, Any], draft_vocab_size: int, aux_layer_ids: Any
 ) -> DraftSpec:
     """The draft a training run builds (stage 04) and its plan sizes: the shapes and norm flags of the
-    `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier."""
+    `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier
+    (for an MLA draft also the verifier's MLA dims that [train] leaves unset: `verifier` is then its
+    text config.json)."""
+    arch = getattr(train, "draft_arch", "llama")
     return DraftSpec(
+        **(mla_dims(train, verifier) if arch == "mla" else {}),
+        draft_arch=arch,
         hidden_size=int(verifier["hidden_size"]),
         num_attention_heads=train.num_attention_heads,
         num_key_value_heads=train.num_key_value_heads,
@@ -92,11 +110,34 @@ def parallel_settings(train: Any, vocab_size: int) -> dict[str, Any]:
     return {"mask_token_id": int(mask), "parallel_k": int(train.parallel_k)}
 
 
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_dims(train: Any, verifier: dict[str, Any]) -> dict[str, int]:
+    """Each MLA dim: [train] mla_<dim> when set, else the verifier's config.json value (q_lora_rank null
+    there: 0, a plain q_proj); a dim neither gives is refused, naming the flag."""
+    out = {}
+    for dim in MLA_DIMS:
+        value = getattr(train, f"mla_{dim}", None)
+        if value is None:
+            if dim not in verifier or (verifier[dim] is None and dim != "q_lora_rank"):
+                raise UserError(
+                    f"--draft-arch mla: the verifier's config.json has no `{dim}` (not an MLA verifier); "
+                    f"set --mla-{dim.replace('_', '-')}"
+                )
+            value = verifier[dim] or 0
+        out[dim] = int(value)
+    return out
+
+
 def check_spec(spec: DraftSpec) -> None:
     """The [train] rules of the draft's shape (config.check_draft_shape), for a spec read back from a
-    checkpoint or built in code; a TrainConfig refuses the same when it is built. The mask token is
-    checked here: only the verifier's vocabulary says which ids exist."""
+    checkpoint or built in code; a TrainConfig refuses the same when it is built. Checked here only: the
+    mask token (only the verifier's vocabulary says which ids exist) and the MLA rope dim (from the
+    verifier unless set)."""
     check_draft_shape(spec)
+    if spec.draft_arch == "mla" and spec.qk_rope_head_dim % 2:
+        raise UserError(f"--mla-qk-rope-head-dim {spec.qk_rope_head_dim} must be even (RoPE rotates pairs)")
     if spec.parallel and not 0 <= spec.mask_token_id < spec.vocab_size:
         raise UserError(
             f"--mask-token-id {spec.mask_token_id} is outside the verifier's vocabulary "
@@ -142,9 +183,14 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
     cls, config_cls = (PEagleDraftModel, PEagleSpeculatorConfig) if spec.parallel else (
         Eagle3DraftModel, Eagle3SpeculatorConfig)  # fmt: skip
     extra = {"mask_token_id": spec.mask_token_id, "embed_requires_grad": False} if spec.parallel else {}
+    if spec.draft_arch == "mla":
+        mla_draft.register()
+        layer_config = mla_draft.mla_decoder_config(spec, attn_impl)
+    else:
+        layer_config = decoder_config(spec, attn_impl)
     config = config_cls(
         **extra,
-        transformer_layer_config=decoder_config(spec, attn_impl),
+        transformer_layer_config=layer_config,
         draft_vocab_size=spec.draft_vocab_size,
         norm_before_residual=spec.norm_before_residual,
         norm_before_fc=spec.norm_before_fc,

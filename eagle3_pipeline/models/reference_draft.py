@@ -77,16 +77,12 @@ class ReferenceDraft:
         self.aux_layer_ids = aux_layer_ids_of(c)
         w = {k: v.float() for k, v in load_file(str(export_dir / "model.safetensors")).items()}
         layer = "midlayer." if any(k.startswith("midlayer.") for k in w) else "layers.0."
-        q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self._load_attention(w, layer)
         self.fc = w["fc.weight"]
         n_aux = self.fc.shape[1] // self.hidden
         ones = torch.ones(self.hidden)  # vLLM's RMSNorm init, kept when a flag's weight is missing
         self.n_input = w.get("input_norm.weight", torch.ones(n_aux * self.hidden))
         self.n_fc = [w.get(f"fc_norm.{i}.weight", ones) for i in range(n_aux)]
-        self.wq = w[layer + "self_attn.q_proj.weight"][:q_rows]
-        self.wk = w[layer + "self_attn.k_proj.weight"][:kv_rows]
-        self.wv = w[layer + "self_attn.v_proj.weight"][:kv_rows]
-        self.wo = w[layer + "self_attn.o_proj.weight"][:, :q_rows]
         self.w_gate = w[layer + "mlp.gate_proj.weight"]
         self.w_up = w[layer + "mlp.up_proj.weight"]
         self.w_down = w[layer + "mlp.down_proj.weight"]
@@ -111,6 +107,14 @@ class ReferenceDraft:
         return self.mask_hidden is not None and self.mask_token_id is not None
 
     # --- pieces -------------------------------------------------------------------------------
+    def _load_attention(self, w: dict[str, torch.Tensor], layer: str) -> None:
+        """q/k/v/o, narrowed to head_dim as vLLM's loader narrows them."""
+        q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.wq = w[layer + "self_attn.q_proj.weight"][:q_rows]
+        self.wk = w[layer + "self_attn.k_proj.weight"][:kv_rows]
+        self.wv = w[layer + "self_attn.v_proj.weight"][:kv_rows]
+        self.wo = w[layer + "self_attn.o_proj.weight"][:, :q_rows]
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Neox-style rotary embedding on [heads, T, head_dim]."""
         half = self.head_dim // 2
@@ -128,6 +132,16 @@ class ReferenceDraft:
         hn = _rms_norm(g, self.n_hidden, self.eps)
         residual = hn if self.norm_before_residual else g
         x = torch.cat([_rms_norm(e, self.n_in, self.eps), hn], dim=-1)
+        a, new_cache = self._attention(x, positions, cache)
+        h1 = a + residual
+        m = _rms_norm(h1, self.n_post, self.eps)
+        out = (torch.nn.functional.silu(m @ self.w_gate.T) * (m @ self.w_up.T)) @ self.w_down.T + h1
+        return out, new_cache
+
+    def _attention(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Grouped-query attention of new slots x [T, 2H] over `cache` then causally over themselves."""
         T = x.shape[0]
         q = (x @ self.wq.T).view(T, self.heads, self.head_dim).transpose(0, 1)
         k = (x @ self.wk.T).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -143,10 +157,7 @@ class ReferenceDraft:
         allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
         scores = scores.masked_fill(~allowed, float("-inf"))
         a = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(T, self.heads * self.head_dim) @ self.wo.T
-        h1 = a + residual
-        m = _rms_norm(h1, self.n_post, self.eps)
-        out = (torch.nn.functional.silu(m @ self.w_gate.T) * (m @ self.w_up.T)) @ self.w_down.T + h1
-        return out, new_cache
+        return a, new_cache
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return _rms_norm(out, self.n_final, self.eps) @ self.lm_head.T

@@ -3,7 +3,8 @@
 The draft's cache comes out of the same GPU memory as the verifier's, so every byte it takes per token is
 a token of batch x context the verifier cannot hold. `kv_cache_report` is the one place that computes it
 (plan.build puts it in the plan and its JSON; plan.render prints it):
-  draft     1 decoder layer x 2 (k and v) x num_key_value_heads x head_dim x dtype bytes (the draft spec)
+  draft     1 decoder layer x 2 (k and v) x num_key_value_heads x head_dim x dtype bytes (the draft spec);
+            an MLA draft (draft_arch "mla") 1 x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, every rank
   verifier  from its config.json: MLA (kv_lora_rank set: DeepSeek-V3, Kimi-K2.5) caches one latent per
             layer, num_hidden_layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes; plain attention
             caches num_hidden_layers x 2 x num_key_value_heads x head_dim x dtype bytes.
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3_pipeline.models.draft import DraftSpec
+from eagle3_pipeline.models.mla_draft import kv_bytes_per_token
 
 KV_DTYPE_BYTES = 2  # vLLM's --kv-cache-dtype auto: the activation dtype, bf16 for Kimi-K2.5 and its draft
 DRAFT_LAYERS = 1  # an EAGLE-3 draft has one decoder layer (draft.py)
@@ -30,9 +32,15 @@ def _sharded_heads(kv_heads: int, tp: int) -> int:
 
 
 def draft_kv(spec: DraftSpec, tp: int, dtype_bytes: int = KV_DTYPE_BYTES) -> dict[str, Any]:
-    """The draft's bytes per token: on one rank holding all heads, and per rank under TP `tp`."""
+    """The draft's bytes per token: on one rank holding all heads, and per rank under TP `tp`. An MLA
+    draft (deepseek_eagle3.py) caches one latent per token on every rank, as the verifier's MLA layers."""
+    if spec.draft_arch == "mla":
+        full = DRAFT_LAYERS * kv_bytes_per_token(spec.kv_lora_rank, spec.qk_rope_head_dim, dtype_bytes)
+        return {"attention": "mla", "layers": DRAFT_LAYERS, "kv_lora_rank": spec.kv_lora_rank,
+                "qk_rope_head_dim": spec.qk_rope_head_dim, "full": full, "per_tp_rank": full}  # fmt: skip
     per_head = DRAFT_LAYERS * 2 * spec.head_dim * dtype_bytes
     return {
+        "attention": "mha",
         "layers": DRAFT_LAYERS,
         "num_key_value_heads": spec.num_key_value_heads,
         "head_dim": spec.head_dim,
@@ -46,7 +54,7 @@ def verifier_kv(text: dict[str, Any], tp: int, dtype_bytes: int = KV_DTYPE_BYTES
     layers = int(text["num_hidden_layers"])
     if text.get("kv_lora_rank"):
         latent, rope = int(text["kv_lora_rank"]), int(text["qk_rope_head_dim"])
-        full = layers * (latent + rope) * dtype_bytes
+        full = layers * kv_bytes_per_token(latent, rope, dtype_bytes)
         return {"attention": "mla", "layers": layers, "kv_lora_rank": latent, "qk_rope_head_dim": rope,
                 "full": full, "per_tp_rank": full}  # fmt: skip
     heads = int(text["num_attention_heads"])
@@ -89,7 +97,11 @@ def render_lines(kv: dict[str, Any]) -> list[str]:
         heads = f"{v['num_key_value_heads']} kv heads x {v['head_dim']}"
         v_formula = f"{v['layers']} layers x 2 x {heads} x {b} B"
         v_tp = "kv heads sharded"
-    d_formula = f"{d['layers']} layer x 2 x {d['num_key_value_heads']} kv heads x {d['head_dim']} x {b} B"
+    if d["attention"] == "mla":
+        latent = f"({d['kv_lora_rank']} + {d['qk_rope_head_dim']})"
+        d_formula = f"{d['layers']} layer x {latent} x {b} B, MLA latent"
+    else:
+        d_formula = f"{d['layers']} layer x 2 x {d['num_key_value_heads']} kv heads x {d['head_dim']} x {b} B"
     t, dp = kv["tp"], kv["dp_attention"]
     return [
         f"kv cache      per token: verifier {v['full']:,} B ({v_formula}) | draft {d['full']:,} B "

@@ -118,11 +118,15 @@ def memory_per_gpu(
     T, S = max(cfg.batch_tokens, cfg.max_seq_len), cfg.ttt_steps
     H, inter, n_aux = spec.hidden_size, spec.intermediate_size, len(spec.aux_layer_ids)
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    cached = 2 * kv  # per cached token and step: k and v
+    if spec.draft_arch == "mla":  # queries nope + rope wide; per cached token the latent, and the k and v
+        q = spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)  # expanded from it
+        cached = spec.kv_lora_rank + q + spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim)
     Vd = spec.draft_vocab_size
     trainable = draft["trainable_parameters"]
     once = T * (n_aux * H * 4 + H * 4 + n_aux * H * b + H * b + Vd * 4)
     per_step = T * (b * (8 * H + 2 * q + 4 * inter + Vd) + 4 * Vd)
-    kv_cache = sum(T * (s + 1) * 2 * kv * b for s in range(S))
+    kv_cache = sum(T * (s + 1) * cached * b for s in range(S))
     parts = {
         "weights": draft["total_parameters"] * 4 + draft["buffer_bytes"],
         "gradients": trainable * 4,
@@ -134,7 +138,8 @@ def memory_per_gpu(
     chosen = kernels.attention_impl(cfg.attn_impl, cuda)
     heads = spec.num_attention_heads
     impls = {
-        i: kernels.attention_extra_bytes(i, T, S, heads, b) for i in dict.fromkeys(("sdpa", "flex", chosen))
+        i: kernels.attention_extra_bytes(i, T, S, heads, b, sdpa_math=spec.draft_arch == "mla" and not cuda)
+        for i in dict.fromkeys(("sdpa", "flex", chosen))
     }
     return {
         "tokens_per_micro_batch": T,
@@ -209,7 +214,7 @@ def build(
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(layers), layers)
     verifier = {"hidden_size": H, "vocab_size": int(text["vocab_size"]),
                 "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6))}  # fmt: skip
-    spec = spec_for_training(train, verifier, draft_vocab_size, aux)
+    spec = spec_for_training(train, {**text, **verifier}, draft_vocab_size, aux)  # text: the MLA dims
     draft = draft_report(spec, train.train_lm_head)
     # token shards (online states): the ids and masks only, planned when the run stores no states
     dtypes = (*PLAN_DTYPES, *((storage_name,) if storage_name == state_dtype.NO_STATES else ()))
@@ -289,6 +294,16 @@ def _gb(n: float | None) -> str:
     return "?" if n is None else storage.format_bytes(n)
 
 
+def _attention_shapes(sh: dict[str, list[int]]) -> str:
+    """The draft's attention projections: q and k/v (llama), or MLA's q_a/q_b (or q), kv_a and kv_b."""
+    a = "layers.0.self_attn."
+    if a + "kv_a_proj_with_mqa.weight" not in sh:
+        return f"q {sh[a + 'q_proj.weight']} | k/v {sh[a + 'k_proj.weight']}"
+    q = (f"q_a {sh[a + 'q_a_proj.weight']} q_b {sh[a + 'q_b_proj.weight']}" if a + "q_a_proj.weight" in sh
+         else f"q {sh[a + 'q_proj.weight']}")  # fmt: skip
+    return f"MLA {q} | kv_a {sh[a + 'kv_a_proj_with_mqa.weight']} kv_b {sh[a + 'kv_b_proj.weight']}"
+
+
 def render(p: dict[str, Any]) -> str:
     v, d, m = p["verifier"], p["draft"], p["memory_per_gpu"]
     sh = d["shapes"]
@@ -297,8 +312,8 @@ def render(p: dict[str, Any]) -> str:
         f"verifier      {v['path']} ({v['top_architecture']}, {v['model_type']}): {v['num_hidden_layers']} "
         f"layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}",
         f"aux layer ids {p['aux_layer_ids']} (vLLM convention)",
-        f"draft         fc {sh['fc.weight']} | q {sh['layers.0.self_attn.q_proj.weight']} | "
-        f"k/v {sh['layers.0.self_attn.k_proj.weight']} | o {sh['layers.0.self_attn.o_proj.weight']} | "
+        f"draft         fc {sh['fc.weight']} | {_attention_shapes(sh)} | "
+        f"o {sh['layers.0.self_attn.o_proj.weight']} | "
         f"mlp 3 x {sh['layers.0.mlp.gate_proj.weight']} | lm_head {sh['lm_head.weight']} ({frozen})",
         f"parameters    trainable {d['trainable_parameters']:,} | total {d['total_parameters']:,} "
         "(with the frozen embedding and teacher head)",

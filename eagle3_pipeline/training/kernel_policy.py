@@ -162,17 +162,20 @@ def set_compile(model: Any, k: Kernels) -> None:
 
 
 def attention_extra_bytes(
-    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int
-) -> int:
+    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int,
+    sdpa_math: bool = False,
+) -> int:  # fmt: skip
     """Peak bytes one forward+backward of the draft holds for attention beyond q/k/v/output (which
     every implementation keeps), at a packed row of T = batch_tokens tokens and ttt_steps TTT steps:
     the sum of `attention_extra_terms` (which says where each term comes from)."""
-    return sum(attention_extra_terms(attn_impl, batch_tokens, ttt_steps, num_heads, dtype_bytes).values())
+    terms = attention_extra_terms(attn_impl, batch_tokens, ttt_steps, num_heads, dtype_bytes, sdpa_math)
+    return sum(terms.values())
 
 
 def attention_extra_terms(
-    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int
-) -> dict[str, int]:
+    attn_impl: str, batch_tokens: int, ttt_steps: int, num_heads: int, dtype_bytes: int,
+    sdpa_math: bool = False,
+) -> dict[str, int]:  # fmt: skip
     """attention_extra_bytes by term. From speculators 0.9.0 models/eagle3/core.py: the mask is built
     over [T, T] and widened by a [T, T] diagonal block after every step (also after the last), so step s
     attends over KV = T * (s + 1); old masks die when the next one replaces them.
@@ -180,7 +183,10 @@ def attention_extra_terms(
     - sdpa, "masks": boolean masks (flex's create_mask, 1 byte); while the last widening runs, the
       [T, T*ttt] and [T, T*(ttt+1)] masks are both alive: T^2 (2 ttt + 1).
       "saved_for_backward": SDPA turns a boolean mask into an additive one in the query dtype before
-      its kernel, and the kernel keeps it for backward: sum_s T^2 (s + 1) dtype_bytes.
+      its kernel, and the kernel keeps it for backward: sum_s T^2 (s + 1) dtype_bytes. `sdpa_math`: SDPA's
+      math fallback, taken on CPU when key and value widths differ (the MLA draft: nope + rope != v_head_dim;
+      no fused CPU kernel takes them), keeps the probabilities [H, T, KV] instead: sum_s H T^2 (s + 1)
+      dtype_bytes (measured, tests/test_mla_draft.py).
     - eager, "masks": bf16 additive masks (create_float_mask's default dtype, 2 bytes), 2 T^2 (2 ttt + 1).
       "saved_for_backward": per step the fp32 softmax output [H, T, KV] and its compute-dtype copy
       that multiplies V (transformers eager_attention_forward): sum_s H T^2 (s + 1) (4 + dtype_bytes).
@@ -192,7 +198,8 @@ def attention_extra_terms(
     t = batch_tokens
     steps_kv = ttt_steps * (ttt_steps + 1) // 2  # sum over the steps of KV / T
     if attn_impl == "sdpa":
-        return {"masks": t * t * (2 * ttt_steps + 1), "saved_for_backward": t * t * steps_kv * dtype_bytes}
+        kept = (num_heads if sdpa_math else 1) * t * t * steps_kv * dtype_bytes
+        return {"masks": t * t * (2 * ttt_steps + 1), "saved_for_backward": kept}
     if attn_impl == "eager":
         return {
             "masks": 2 * t * t * (2 * ttt_steps + 1),

@@ -66,7 +66,7 @@ from eagle3_pipeline.training.train_metrics import (
     validate,
     with_state_noise,
 )
-from eagle3_pipeline.models.verifier import draft_tensors_of
+from eagle3_pipeline.models.verifier import draft_tensors_of, read_text_config
 from eagle3_pipeline.data.vocab import load_mapping
 
 log = logging.getLogger("eagle3.train")
@@ -136,7 +136,10 @@ def open_data(cfg: TrainConfig) -> RunData:
 
 def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
     meta = data.shard_set.meta
-    return spec_for_training(cfg, meta["verifier"], int(data.d2t.numel()), meta["aux_layer_ids"])
+    verifier = meta["verifier"]
+    if cfg.draft_arch == "mla":  # the MLA dims [train] leaves unset come from the verifier's config.json
+        verifier = {**read_text_config(Path(cfg.verifier_path or verifier["path"])), **verifier}
+    return spec_for_training(cfg, verifier, int(data.d2t.numel()), meta["aux_layer_ids"])
 
 
 def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
