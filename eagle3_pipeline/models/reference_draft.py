@@ -45,6 +45,20 @@ def parallel_config(config: dict[str, Any]) -> bool:
     return config.get("mask_token_id") is not None
 
 
+def _eagle_config_first(c: dict[str, Any], key: str) -> Any:
+    """A flag vLLM reads from eagle_config first, then from the top level."""
+    return (c.get("eagle_config") or {}).get(key, c.get(key))
+
+
+def _vocab_maps(c: dict[str, Any], d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t offsets (the file's, else zeros: identity) and target id -> draft id (-1: outside the draft)."""
+    draft_vocab = c.get("draft_vocab_size", c["vocab_size"])
+    d2t = d2t.long() if d2t is not None else torch.zeros(draft_vocab, dtype=torch.long)
+    index = torch.full((c["vocab_size"],), -1, dtype=torch.long)
+    index[torch.arange(draft_vocab) + d2t] = torch.arange(draft_vocab)
+    return d2t, index
+
+
 @dataclass
 class KVCache:
     k: torch.Tensor  # [heads_kv, T, head_dim], RoPE applied
@@ -69,9 +83,7 @@ class ReferenceDraft:
         self.eps = c.get("rms_norm_eps", 1e-6)
         self.rope_theta = c.get("rope_theta", 10000.0)
         self.norm_before_residual = bool(c.get("norm_before_residual", False))
-        self.norm_before_fc = bool(
-            (c.get("eagle_config") or {}).get("norm_before_fc", c.get("norm_before_fc"))
-        )
+        self.norm_before_fc = bool(_eagle_config_first(c, "norm_before_fc"))
         self.fc_norm = bool(c.get("fc_norm", False))
         self.norm_output = bool(c.get("norm_output", False))
         self.aux_layer_ids = aux_layer_ids_of(c)
@@ -91,22 +103,16 @@ class ReferenceDraft:
         self.n_post = w[layer + "post_attention_layernorm.weight"]
         self.n_final = w["norm.weight"]
         self.lm_head = w["lm_head.weight"]
-        draft_vocab = c.get("draft_vocab_size", c["vocab_size"])
-        d2t = w.get("d2t")
-        self.d2t = d2t.long() if d2t is not None else torch.zeros(draft_vocab, dtype=torch.long)
-        self.draft_index = torch.full((c["vocab_size"],), -1, dtype=torch.long)  # target id -> draft id
-        self.draft_index[self.to_target(torch.arange(draft_vocab))] = torch.arange(draft_vocab)
+        self.d2t, self.draft_index = _vocab_maps(c, w.get("d2t"))
         self.embed = embed_tokens.float()
         self.mask_token_id = c.get("mask_token_id") if parallel_config(c) else None
-        mask_hidden = w.get("mask_hidden")
-        self.mask_hidden = None if mask_hidden is None else mask_hidden.reshape(1, -1)
+        self.mask_hidden = None if w.get("mask_hidden") is None else w["mask_hidden"].reshape(1, -1)
 
     @property
     def parallel(self) -> bool:
         """Whether vLLM serves this export with parallel drafting (it has a mask token and mask_hidden)."""
         return self.mask_hidden is not None and self.mask_token_id is not None
 
-    # --- pieces -------------------------------------------------------------------------------
     def _load_attention(self, w: dict[str, torch.Tensor], layer: str) -> None:
         """q/k/v/o, narrowed to head_dim as vLLM's loader narrows them."""
         q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -186,7 +192,6 @@ class ReferenceDraft:
         i = int(self.draft_index[target_id])
         return 0.0 if i < 0 else float((logits.float() / temperature).softmax(-1)[i])
 
-    # --- what vLLM runs -------------------------------------------------------------------------
     @torch.no_grad()
     def first_pass(
         self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
