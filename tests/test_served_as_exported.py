@@ -26,7 +26,8 @@ def export(tiny_shards, tmp_path_factory) -> Path:
                "--draft-sample-method", "probabilistic", "--temperature", "1.0",
                "--top-p", "0.95")  # fmt: skip
     served = json.loads((root / "draft" / "export_meta.json").read_text())["served"]
-    assert served == {"draft_sample_method": "probabilistic", "temperature": 1.0, "top_p": 0.95}
+    assert served == {"draft_sample_method": "probabilistic", "temperature": 1.0, "top_p": 0.95,
+                      "parallel_drafting": False}  # a sequential draft
     return root / "draft"
 
 
