@@ -201,6 +201,8 @@ CHECKED_VALUES = {
 COMPANIONS = {
     ("train", "num_attention_heads"): lambda value: ["--num-key-value-heads", "1"],
     ("train", "num_key_value_heads"): lambda value: ["--num-attention-heads", str(value)],
+    # the MLA draft refuses norm_before_fc (on by default): vLLM's MLA draft has no input_norm
+    ("train", "draft_arch"): lambda value: ["--no-norm-before-fc"] if value == "mla" else [],
 }
 
 

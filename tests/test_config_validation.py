@@ -99,10 +99,14 @@ def _cli(section: str, argv: list[str]) -> str:
 
 
 def _argv(values: dict[str, Any]) -> list[str]:
-    """The command line that gives these settings: `--flag` for True, `--flag v1 v2` for a list."""
+    """The command line that gives these settings: `--flag` for True, `--no-flag` for False, `--flag v1 v2`
+    for a list."""
     out: list[str] = []
     for key, v in values.items():
-        out += [_flag(key)] if v is True else [_flag(key), *map(str, v if isinstance(v, list) else [v])]
+        if isinstance(v, bool):
+            out.append(_flag(key) if v else "--no-" + _flag(key)[2:])
+        else:
+            out += [_flag(key), *map(str, v if isinstance(v, list) else [v])]
     return out
 
 
@@ -176,6 +180,10 @@ RULES = [
     (TrainConfig, {"num_key_value_heads": 3}, "--num-attention-heads 64 must be a multiple of"),
     (TrainConfig, {"norm_before_fc": True, "fc_norm": True},
      "--norm-before-fc and --fc-norm are mutually exclusive"),
+    (TrainConfig, {"norm_before_fc": True, "draft_arch": "mla"},
+     "--draft-arch mla: vLLM's deepseek_eagle3.py has no norm_before_fc"),
+    (TrainConfig, {"norm_before_fc": False, "parallel_drafting": True, "draft_arch": "mla"},
+     "--draft-arch mla with --parallel-drafting: vLLM 0.32's deepseek_eagle3.py has no mask_hidden"),
     (ExtractConfig, {"serve": True}, "--serve starts a vLLM server: add --engine vllm"),
     (ExtractConfig, {"start_row": 5, "end_row": 5}, "--end-row 5 must be > --start-row 5"),
     (ExtractConfig, {"start_row": 6, "end_row": 2}, "--end-row 2 must be > --start-row 6"),
@@ -197,6 +205,8 @@ def test_settings_that_do_not_go_together_are_refused_when_built_and_by_replace(
 
 def test_rules_accept_what_goes_together():
     TrainConfig(num_attention_heads=8, num_key_value_heads=2, head_dim=64, norm_before_fc=False, fc_norm=True)
+    TrainConfig(draft_arch="mla", norm_before_fc=False, num_key_value_heads=3)  # MLA: no KV-head rule
+    TrainConfig(parallel_drafting=True)
     ExtractConfig(serve=True, engine="vllm", start_row=3, end_row=4)
 
 
