@@ -234,3 +234,42 @@ def draft_spec(hidden_size: int, vocab_size: int, draft_vocab_size: int, aux_lay
     cfg = TrainConfig(**{"vocab_mapping_dir": "v", "out_dir": "o", **train})
     verifier = {"hidden_size": hidden_size, "vocab_size": vocab_size, "rms_norm_eps": rms_norm_eps}
     return spec_for_training(cfg, verifier, draft_vocab_size, aux_layer_ids)
+
+
+def saved_for_backward_vs_plan(spec, tokens: int, ttt_steps: int) -> tuple[int, dict]:
+    """The bytes autograd keeps for backward in one TTT forward of a fresh draft of `spec` on a packed row
+    of `tokens` (fp32, CPU, sdpa: every saved tensor counted once per storage, weights excluded), and the
+    plan's memory_per_gpu for the same run, for tests comparing the two."""
+    import torch
+
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.models.draft import build_draft, trainable_names
+    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
+    from eagle3_pipeline.training.kernel_policy import resolve
+    from eagle3_pipeline.training.train_metrics import Recipe, forward
+
+    T, hidden, vocab = tokens, spec.hidden_size, spec.vocab_size
+    torch.manual_seed(0)
+    model = build_draft(spec, "sdpa")
+    names = set(trainable_names(model, False))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = {
+        "hidden_states": torch.randn(1, T, 3 * hidden), "input_ids": torch.randint(0, vocab, (1, T)),
+        "document_ids": torch.zeros(1, T, dtype=torch.long), "loss_mask": torch.ones(1, T, dtype=torch.bool),
+        "position_ids": torch.arange(T)[None], "verifier_last": torch.randn(1, T, hidden),
+    }  # fmt: skip
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        kern = resolve("sdpa", "eager", "off", torch.device("cpu"), T)  # what the plan assumes on CPU
+        loss = forward(model, batch, Recipe(ttt_steps, 1.0, "kl_div"), torch.device("cpu"), None, kern)
+    assert loss is not None
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(v for k, v in saved.items() if k not in weights)
+    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=ttt_steps, dtype="float32", attn_impl="sdpa")
+    return measured, memory_per_gpu(spec, draft_report(spec, False), cfg, 1, cuda=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, saved_for_backward_vs_plan
 
 KIMI_MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
             "v_head_dim": 128}  # fmt: skip  # Kimi-K2.5's config.json (text_config)
@@ -317,36 +317,6 @@ def test_train_plan_for_a_kimi_mla_draft_matches_hand_computed_numbers(tmp_path)
 def test_mla_activation_estimate_matches_what_the_draft_saves_for_backward():
     """The plan's activations + sdpa mask bytes for an MLA draft against what autograd keeps (fp32, CPU,
     sdpa), as test_plan checks the llama draft: within the same 0.9-1.15."""
-    from eagle3_pipeline.core.config import TrainConfig
-    from eagle3_pipeline.models.draft import build_draft, trainable_names
-    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
-    from eagle3_pipeline.training.kernel_policy import resolve
-    from eagle3_pipeline.training.train_metrics import Recipe, forward
-
     spec = dataclasses.replace(tiny_spec(norm_before_residual=False, norm_output=False), vocab_size=320)
-    T, S = 1024, 3
-    torch.manual_seed(0)
-    model = build_draft(spec, "sdpa")
-    names = set(trainable_names(model, False))
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in names)
-    saved: dict[int, int] = {}
-
-    def keep(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    batch = {
-        "hidden_states": torch.randn(1, T, 3 * 256), "input_ids": torch.randint(0, 320, (1, T)),
-        "document_ids": torch.zeros(1, T, dtype=torch.long), "loss_mask": torch.ones(1, T, dtype=torch.bool),
-        "position_ids": torch.arange(T)[None], "verifier_last": torch.randn(1, T, 256),
-    }  # fmt: skip
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        kern = resolve("sdpa", "eager", "off", torch.device("cpu"), T)
-        loss = forward(model, batch, Recipe(S, 1.0, "kl_div"), torch.device("cpu"), None, kern)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = sum(v for k, v in saved.items() if k not in weights)
-    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32", attn_impl="sdpa")
-    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 1, cuda=False)
+    measured, m = saved_for_backward_vs_plan(spec, 1024, 3)
     assert 0.9 <= measured / (m["activations"] + m["attention_mask"]) <= 1.15, (measured, m)
-    assert loss is not None

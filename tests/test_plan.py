@@ -8,7 +8,7 @@ import math
 import tomllib
 
 import pytest
-from conftest import CONVERSATIONS, REPO, draft_spec, run_script, script
+from conftest import CONVERSATIONS, REPO, draft_spec, run_script, saved_for_backward_vs_plan, script
 
 KIMI = REPO / "configs" / "kimi_k25.toml"
 H, V, VD = 7168, 163840, 32000  # Kimi-K2.5 hidden, vocab (contract section 6); draft vocab (kimi_k25.toml)
@@ -239,44 +239,12 @@ def test_activation_and_mask_estimate_matches_what_a_tiny_draft_saves_for_backwa
     """The plan's activations + sdpa attention bytes (kernel_policy's) against the bytes autograd really
     keeps (fp32, CPU, sdpa): every tensor saved for backward during the TTT forward, counted once per
     storage, weights excluded. Measured 0.998x the estimate at T=1024; a formula missing the growing mask or
-    the
-    K/V cache would be off by more than the 15% allowed."""
-    import torch
-
-    from eagle3_pipeline.core.config import TrainConfig
-    from eagle3_pipeline.models.draft import build_draft, trainable_names
-    from eagle3_pipeline.training.kernel_policy import resolve
-    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
-    from eagle3_pipeline.training.train_metrics import Recipe, forward
-
+    the K/V cache would be off by more than the 15% allowed."""
     plain = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False)
     spec = draft_spec(256, 320, 96, (2, 4, 5), num_attention_heads=4, num_key_value_heads=4, head_dim=128,
                       intermediate_size=512, rope_theta=1e6, max_position_embeddings=4096,
                       **plain)  # fmt: skip
-    T, S = 1024, 3
-    torch.manual_seed(0)
-    model = build_draft(spec, "sdpa")
-    names = set(trainable_names(model, False))
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in names)
-    saved: dict[int, int] = {}
-
-    def keep(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    batch = {
-        "hidden_states": torch.randn(1, T, 3 * 256), "input_ids": torch.randint(0, 320, (1, T)),
-        "document_ids": torch.zeros(1, T, dtype=torch.long), "loss_mask": torch.ones(1, T, dtype=torch.bool),
-        "position_ids": torch.arange(T)[None], "verifier_last": torch.randn(1, T, 256),
-    }  # fmt: skip
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        kern = resolve("sdpa", "eager", "off", torch.device("cpu"), T)  # what the plan assumes on CPU
-        forward(model, batch, Recipe(S, 1.0, "kl_div"), torch.device("cpu"), None, kern)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = sum(v for k, v in saved.items() if k not in weights)
-    cfg = TrainConfig(batch_tokens=T, max_seq_len=T, ttt_steps=S, dtype="float32", attn_impl="sdpa")
-    m = memory_per_gpu(spec, draft_report(spec, False), cfg, 1, cuda=False)
+    measured, m = saved_for_backward_vs_plan(spec, 1024, 3)
     assert 0.9 <= measured / (m["activations"] + m["attention_mask"]) <= 1.15, (measured, m)
     assert measured > 1.15 * m["activations"]  # the mask is a real part of it at this T
 

@@ -19,6 +19,7 @@ while training (online.py) instead of read from shards.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -340,6 +341,11 @@ def run(cfg: TrainConfig) -> int:
             tracker.close()
     finally:
         run_dir.close()
+    # DDP's reducer holds the process group: freed (its reference cycles too) before the group is destroyed,
+    # not at interpreter exit, where a gloo worker thread still alive aborts the rank ("terminate called
+    # without an active exception", SIGABRT after a finished run)
+    del loop, ddp_model
+    gc.collect()
     return _finish(cfg, plan, dist, prog, code)
 
 
