@@ -32,8 +32,8 @@ THINKING = {"temperature": 1.0, "top_p": 0.95}
 
 # The MLA draft's [train] settings beside the tier's tiny_mla.toml: dims from the verifier (q_lora 128,
 # latent 512 + rope 64, nope 64, v 64), no norm_before_fc (vLLM's deepseek_eagle3.py has no input_norm),
-# 24 epochs instead of 40 (CI time: validation AL 3.95 by epoch 17 of 40, measured).
-MLA_FLAGS = ("--draft-arch", "mla", "--no-norm-before-fc", "--epochs", "24")
+# The tier config's 20 epochs (validation AL 3.95 by epoch 17 of 40, measured).
+MLA_FLAGS = ("--draft-arch", "mla", "--no-norm-before-fc")
 
 
 @pytest.fixture(scope="module")
