@@ -10,6 +10,7 @@ import struct
 import time
 from pathlib import Path
 
+import pytest
 from conftest import DATA, REPO, extract_args, kill_when, popen_script, run_script, script, shard_of
 
 
@@ -131,9 +132,14 @@ def _train_args(tiny_run: Path, out: Path) -> list[str]:
     ]
 
 
-def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_run, tmp_path):
-    run_script(*_train_args(tiny_run, tmp_path / "straight"))
-    proc = popen_script(_train_args(tiny_run, tmp_path / "killed"), REPO)
+# a parallel draft draws its COD sub-samples from torch's generator each step: the resume restores it
+DRAFTS = {"sequential": [], "parallel": ["--parallel-drafting", "--parallel-k", "4"]}
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_run, tmp_path, draft):
+    run_script(*_train_args(tiny_run, tmp_path / "straight"), *DRAFTS[draft])
+    proc = popen_script(_train_args(tiny_run, tmp_path / "killed") + DRAFTS[draft], REPO)
     log = tmp_path / "killed" / "train_log.jsonl"
 
     def past_first_checkpoint() -> bool:  # killed at step 5 or 6: after step_000004, before step_000008
@@ -146,7 +152,7 @@ def test_training_killed_between_checkpoints_resumes_to_identical_weights(tiny_r
 
     kill_when(proc, past_first_checkpoint)
     assert not (tmp_path / "killed" / "checkpoints" / "step_000012").exists()
-    resumed = run_script(*_train_args(tiny_run, tmp_path / "killed"))
+    resumed = run_script(*_train_args(tiny_run, tmp_path / "killed"), *DRAFTS[draft])
     assert re.search(r"resumed from .*step_0000(04|08)", resumed.stderr), resumed.stderr[-1500:]
     final = "checkpoints/step_000012/model.safetensors"
     assert (tmp_path / "straight" / final).read_bytes() == (tmp_path / "killed" / final).read_bytes()
