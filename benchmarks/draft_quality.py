@@ -25,7 +25,11 @@
    prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens of held-out
    multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
-factor of the project's recipe changed at a time (on the regenerated data).
+factor of the project's recipe changed at a time (on the regenerated data), among them the draft's kind
+(issue 27): the MLA draft, parallel drafting (P-EAGLE, parallel_k 8) and speculators' own peagle trained
+by its Trainer (SPECULATORS_ROWS); `--ks 3 5 8` simulates k = 8 too. Beside every simulated cell: draft
+forwards per step, draft KV bytes per token and the expected Kimi-K2.5 speedup at that AL
+(benchmarks/draft_cost.py, the `--plan` cost model).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
 
 `--verifier smollm2`: a real instruct verifier in place of the trained one (benchmarks/real_verifier.py:
@@ -60,10 +64,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import draft_cost  # noqa: E402 - after the path
 from eagle3_pipeline.core.config import SERVED_MODES  # noqa: E402 - after the path
 
-K = 3  # the headline k; SERVED_KS are all evaluated (the long contexts at K only)
-SERVED_KS = (3, 5)
+K = 3  # the headline k; the --ks are all evaluated (the long contexts at K only)
+SERVED_KS = (3, 5, 8)  # every k the benchmark serves or simulates (8: a parallel draft's deepest, issue 27)
+DEFAULT_KS = (3, 5)  # --ks unless given
 DATASETS = ("given", "regenerated", "regenerated_t1")
 HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
@@ -83,6 +89,11 @@ SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), u
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
 SPECULATORS_ROW = "speculators 0.9.0 defaults"
+MLA_ROW = "MLA draft (q_lora 128, kv_lora 64, nope 64, rope 32, v 64)"
+PARALLEL_ROW = "parallel drafting (P-EAGLE, parallel_k 8)"
+# speculators' own rows: the row -> its P-EAGLE depths (None: EAGLE-3), trained by speculators' Trainer
+SPECULATORS_PEAGLE_ROW = "speculators 0.9.0 peagle (parallel_k 8)"
+SPECULATORS_ROWS: dict[str, int | None] = {SPECULATORS_ROW: None, SPECULATORS_PEAGLE_ROW: 8}
 ABLATIONS: dict[str, list[str]] = {
     "round 2 defaults (KL loss, norm_output off, frozen lm_head)": [
         "--loss", "kl_div", "--no-norm-output", "--no-train-lm-head"],
@@ -104,6 +115,22 @@ ABLATIONS: dict[str, list[str]] = {
     "served target (loss top-p 0.95)": ["--loss-top-p", "0.95"],
     "served target, loss tv (1 - sum min(p~, q): the acceptance rate itself)": ["--loss-top-p", "0.95",
                                                                               "--loss", "tv"],
+    # issue 27: the draft's kind. MLA dims for SmolLM2 (hidden 576, 9 heads of 64) in Kimi-K2.5's
+    # proportions (hidden 7168, heads of 112 wide): q_lora 1536 / 7168 x 576 = 123 -> 128, kv_lora
+    # 512 / 7168 x 576 = 41 -> 64, nope / rope / v 128 / 64 / 128 x 64 / 112 -> 64 / 32 / 64; MLA has no
+    # norm_before_fc in vLLM (deepseek_eagle3.py), so that is off too (the config refuses it otherwise).
+    MLA_ROW: ["--draft-arch", "mla", "--mla-q-lora-rank", "128", "--mla-kv-lora-rank", "64",
+              "--mla-qk-nope-head-dim", "64", "--mla-qk-rope-head-dim", "32", "--mla-v-head-dim", "64",
+              "--no-norm-before-fc"],
+    # the MLA row's other change alone, on the Llama layer (separates the layer from the flag)
+    "norm_before_fc off (the MLA draft's setting)": ["--no-norm-before-fc"],
+    # P-EAGLE: depths 1..8 from one forward (serves k = 3, 5, 8); COD 0.7 / 0.2, the peers' defaults
+    PARALLEL_ROW: ["--parallel-drafting", "--parallel-k", "8"],
+    # what the project's parallel draft does not share with speculators' peagle, one at a time: its norms
+    # (peagle: norm_before_fc and norm_output off), its head_dim (peagle: the verifier's, 64 for SmolLM2)
+    PARALLEL_ROW + ", peagle's norms (norm_before_fc, norm_output off)": [
+        "--parallel-drafting", "--parallel-k", "8", "--no-norm-before-fc", "--no-norm-output"],
+    PARALLEL_ROW + ", head_dim 64 (peagle's)": ["--parallel-drafting", "--parallel-k", "8", "--head-dim", "64"],
 }  # fmt: skip
 
 
@@ -231,16 +258,19 @@ def finished(run_dir: Path, steps: int) -> bool:
     return step_dir(run_dir / "checkpoints", steps) in complete_checkpoints(run_dir / "checkpoints")
 
 
-def speculators_run(root: Path, run: str, steps: int, log: Path, threads: int) -> Path:
+def speculators_run(
+    root: Path, run: str, steps: int, log: Path, threads: int, peagle_depths: int | None = None
+) -> Path:
     """speculators' own Trainer and defaults (speculators_baseline.py) for `steps`, in a process of its own
-    (its trainer installs signal handlers, which only the main thread may do); cached like the others."""
+    (its trainer installs signal handlers, which only the main thread may do); cached like the others.
+    `peagle_depths`: its P-EAGLE draft with that many depths in place of EAGLE-3."""
     out = root / "runs" / run
     if not (out / "checkpoints").exists():
         code = (
             "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
             f"import speculators_baseline as b; r = Path({str(root)!r}); "
             f"b.train(r / 'hidden_states', r / 'split', r / 'vocab', r / 'runs' / {run!r}, {steps}, "
-            "1024, 1024)"
+            f"1024, 1024, peagle_depths={peagle_depths})"
         )
         sh(["-c", code], log, threads)
     return out
@@ -285,7 +315,8 @@ def long_prompts(work: Path, max_new: int) -> list[list[int]]:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    fewest, most = LONG_CONTEXT_MIN_TOKENS, verifier_positions(work) - max_new - max(SERVED_KS) - 3
+    # room for the default ks' drafts after the new tokens (the long prompts are served at K only)
+    fewest, most = LONG_CONTEXT_MIN_TOKENS, verifier_positions(work) - max_new - max(DEFAULT_KS) - 3
     prompts = []
     for i in range(len(rows)):
         history, j = [], i + 1
@@ -309,7 +340,7 @@ class Evaluator:
     verify pass over their off-trace drafts (06_evaluate's simulation)."""
 
     def __init__(self, work: Path, prompts: list[list[int]], max_new: int, aux_ids: list[int],
-                 samples_per_prompt: int = SAMPLES_PER_PROMPT):  # fmt: skip
+                 samples_per_prompt: int = SAMPLES_PER_PROMPT, ks: tuple[int, ...] = DEFAULT_KS):  # fmt: skip
         import torch
 
         from eagle3_pipeline.models.verifier import (
@@ -321,7 +352,7 @@ class Evaluator:
         )
 
         self.work, self.prompts, self.max_new = work, prompts, max_new
-        self.samples_per_prompt = samples_per_prompt
+        self.samples_per_prompt, self.ks = samples_per_prompt, tuple(ks)
         facts = verifier_facts(work / "verifier")
         self.model = load_verifier_model(work / "verifier", torch.float32, trust_remote_code=False)
         self.capture = AuxCapture(find_decoder_layers(self.model, facts.num_hidden_layers), aux_ids)
@@ -344,7 +375,7 @@ class Evaluator:
 
         # One trace per request, long enough for the largest k; a smaller k reads its prefix (greedy: the
         # same argmax chain; sampled: the same seeded draws in the same order, so the same tokens).
-        longest = max(SERVED_KS)
+        longest = max(self.ks)
         key = setting_key(setting.removesuffix("_prob"), longest)  # the requests are the same
         if key not in self.traces:
             reqs, sampling = self.requests(setting), self.sampling(setting)
@@ -379,6 +410,8 @@ class Evaluator:
         outputs = [seq[len(p) : len(p) + self.max_new].tolist() for p, (seq, _, _) in zip(reqs, traces)]
         summary = counts.summary(sampled=not sampling.greedy)
         summary["al_standard_error"] = al_standard_error(counts.per_request)
+        # (drafts, accepted per position) per request: paired comparisons of rows on the same traces
+        summary["per_request"] = [[d, list(acc)] for d, acc in counts.per_request]
         return summary, outputs
 
 
@@ -396,6 +429,25 @@ def al_standard_error(per_request: list[tuple[int, list[int]]]) -> float:
     rate = sum(a) / d
     ss = sum((ar - rate * r[0]) ** 2 for ar, r in zip(a, per_request))
     return (n / (n - 1) * ss) ** 0.5 / d
+
+
+def al_difference_standard_error(a: list, b: list) -> float:
+    """Standard error of AL(a) - AL(b) for two drafts simulated on the same requests (each request one
+    cluster, the pair's dependence kept): the delta method on the two ratio estimators of
+    al_standard_error, sqrt(n/(n-1) sum_r e_r^2) with e_r = (a_r - rate_a d_r)/D_a - (b_r - rate_b d'_r)/D_b.
+    `a`, `b`: (drafts, accepted per position) per request, in the same request order (`per_request`)."""
+    n = len(a)
+    if n != len(b) or n < 2:
+        raise ValueError(f"paired requests needed, got {len(a)} and {len(b)}")
+
+    def influence(rows: list) -> list[float]:
+        d = sum(r[0] for r in rows)
+        acc = [sum(r[1]) for r in rows]
+        rate = sum(acc) / d
+        return [(x - rate * r[0]) / d for x, r in zip(acc, rows)]
+
+    e = [x - y for x, y in zip(influence(a), influence(b))]
+    return (n / (n - 1) * sum(v * v for v in e)) ** 0.5
 
 
 def serve_in_vllm(
@@ -475,7 +527,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--only-ablations", nargs="+", metavar="NAME", help="a subset of the ablation rows (prefixes)")
     p.add_argument("--headline", nargs="+", default=HEADLINE, choices=HEADLINE, metavar="RECIPE/DATA",
                    help=f"the headline rows to train and serve (default all: {' '.join(HEADLINE)})")
-    p.add_argument("--vllm-ks", nargs="+", type=int, default=list(SERVED_KS), choices=SERVED_KS,
+    p.add_argument("--ks", nargs="+", type=int, default=list(DEFAULT_KS), choices=SERVED_KS,
+                   help="the k simulated for every row (ablation rows: K only unless --ablations-every-k); "
+                        "8: the parallel drafts' deepest")
+    p.add_argument("--vllm-ks", nargs="+", type=int, default=list(DEFAULT_KS), choices=SERVED_KS,
                    help="the k served in vLLM (an engine start per draft and k); simulated: every k")
     p.add_argument("--samples-per-prompt", type=int, default=SAMPLES_PER_PROMPT,
                    help="seeded sampled requests per held-out prompt at the sampled settings")
@@ -590,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         root = datasets[a.ablation_data]
         steps = planned_steps(root, a.ablation_epochs, 1024)
         threads = max(1, a.threads // a.jobs)
-        chosen = {n: x for n, x in ABLATIONS.items() if not a.only_ablations or n.startswith(tuple(a.only_ablations))}
+        chosen = {n: x for n, x in {**ABLATIONS, SPECULATORS_PEAGLE_ROW: []}.items()
+                  if not a.only_ablations or n.startswith(tuple(a.only_ablations))}  # fmt: skip
         variants = {"project (defaults)": [], SPECULATORS_ROW: [], **chosen}
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
@@ -604,8 +660,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                 if headline in drafts:
                     return name, drafts[headline]
                 run = "speculators" if name == SPECULATORS_ROW else headline_run
-            if name == SPECULATORS_ROW:
-                return name, export(speculators_run(root, run, steps, log, threads), log, threads)
+            if name in SPECULATORS_ROWS:
+                return name, export(speculators_run(root, run, steps, log, threads, SPECULATORS_ROWS[name]), log,
+                                    threads)  # fmt: skip
             return name, export(project_train(root, run, steps, [*recipe, *extra], log, threads, hidden), log,
                                 threads)  # fmt: skip
 
@@ -631,10 +688,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         phase("sharpness", t)
     t = time.time()
     long = long_prompts(work, a.max_new_tokens) if "long" in a.contexts else []
-    evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt)
+    evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt, tuple(a.ks))
            for ctx, ps in (("short", prompts), ("long", long)) if ctx in a.contexts}  # fmt: skip
     settings = [st for st in SETTINGS if st in a.settings]
-    grid = [("short", st, k) for st in settings for k in SERVED_KS] + [("long", st, K) for st in settings]
+    grid = [("short", st, k) for st in settings for k in a.ks] + [("long", st, K) for st in settings]
     grid = [g for g in grid if g[0] in a.contexts]
     done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
     for row in rows:
@@ -657,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             if st == "greedy" and k == K and ctx == "short":
                 row["greedy"] = outputs
         row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
+        row["cost"] = draft_cost.cell_costs(drafts[key].parent, row["sim"])  # forwards, KV, Kimi speedup
     phase("simulation (traces + every draft)", t)
     # the simulated results before vLLM starts (a run stopped while serving keeps them)
     (work / f"{Path(a.report or 'draft_quality.json').stem}_sim.json").write_text(json.dumps(
@@ -685,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "long_prompts": {"num": len(long),
                          "tokens": [min(map(len, long)), max(map(len, long))] if long else []},
         "max_new_tokens": a.max_new_tokens,
-        "served_ks": list(SERVED_KS),
+        "served_ks": sorted(a.ks),
         "settings": {st: SETTINGS[st] for st in settings},
         "samples_per_prompt": a.samples_per_prompt,
         "rows": rows,
@@ -707,7 +765,7 @@ def _print_table(report: dict) -> None:
     print(f"\n{report['machine']} | {report['num_prompts']} held-out prompts x "
           f"{report['max_new_tokens']} tokens | cells: vLLM / simulated AL ± the simulation's standard error "
           "over requests")
-    keys = [setting_key(st, k) for st in report["settings"] for k in SERVED_KS]
+    keys = [setting_key(st, k) for st in report["settings"] for k in report["served_ks"]]
     keys += [setting_key(st, K, "long") for st in report["settings"] if "long" in report["contexts"]]
     print("| recipe | data | steps | " + " | ".join(f"{k} vLLM / sim AL" for k in keys) + " | lossless |")
     print("|---|---|---|" + "---|" * len(keys) + "---|")
@@ -720,6 +778,11 @@ def _print_table(report: dict) -> None:
                          + ("" if se is None else f" ± {se:.3f}"))  # fmt: skip
         print(f"| {row['recipe']} | {row['data']} | {row['steps']} | " + " | ".join(cells)
               + f" | {row.get('lossless', '-')} |")  # fmt: skip
+    print(f"\ncost per cell: draft forwards per step | draft KV per token (bf16) | expected Kimi-K2.5 "
+          f"speedup on 8 x H200 at batch {' / '.join(map(str, draft_cost.BATCH_SIZES))} (sizing/speedup.py)")
+    for row in report["rows"]:
+        for key, cost in row.get("cost", {}).items():
+            print(f"| {row['recipe']} | {key} | {draft_cost.cost_line(cost)} |")
     by = {(r["recipe"], r["data"]): r for r in report["rows"]}
     for key in keys:
         k = int(key.rsplit("/k", 1)[1])

@@ -61,8 +61,9 @@ def _raw_sample(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def spec_of(model: Any, d2t: torch.Tensor) -> DraftSpec:
-    """This project's DraftSpec for the draft speculators built (so export rebuilds the same maths)."""
+def spec_of(model: Any, d2t: torch.Tensor, parallel_k: int | None = None) -> DraftSpec:
+    """This project's DraftSpec for the draft speculators built (so export rebuilds the same maths);
+    `parallel_k`: a P-EAGLE draft's depths (its mask token from the model)."""
     c, tl = model.config, model.config.transformer_layer_config
     rope = getattr(tl, "rope_parameters", None) or {"rope_theta": getattr(tl, "rope_theta", 10000.0)}
     return DraftSpec(
@@ -82,6 +83,8 @@ def spec_of(model: Any, d2t: torch.Tensor) -> DraftSpec:
         norm_before_fc=c.norm_before_fc,
         fc_norm=c.fc_norm,
         norm_output=c.norm_output,
+        mask_token_id=getattr(model, "mask_token_id", None) if parallel_k else None,
+        parallel_k=parallel_k,
     )
 
 
@@ -95,10 +98,19 @@ def train(
     max_seq_len: int,
     seed: int = 0,
     ttt_steps: int = 3,
+    peagle_depths: int | None = None,
 ) -> dict[str, Any]:
-    """Train speculators' default draft for `total_steps` on the project's micro-batches; returns stats."""
+    """Train speculators' default draft for `total_steps` on the project's micro-batches; returns stats.
+    `peagle_depths`: speculators' P-EAGLE draft (`--speculator-type peagle`, its defaults: COD 0.7 / 0.2,
+    max_anchors 512, norm_before_fc and norm_output off) with that many depths, in place of EAGLE-3. Two
+    of its defaults are changed so that the draft can be exported and served as trained: its decoder layer
+    is Llama's (`--draft-arch llama`; its default for peagle is Qwen3's, q_norm / k_norm, which this
+    project's export, simulation and vLLM's llama_eagle3.py do not build), and its embedding stays frozen
+    (speculators' peagle trains it, but vLLM serves an EAGLE-3 draft with the verifier's: the export ships
+    none). Its mask token is the project's default (the verifier's last id)."""
     import numpy as np
     from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.peagle import PEagleDraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
     from speculators.train.config import TrainConfig as SpecConfig
@@ -113,8 +125,11 @@ def train(
     tmp = Path(tempfile.mkdtemp(prefix="spec-baseline-"))
     np.save(tmp / "d2t.npy", d2t.numpy())
     np.save(tmp / "t2d.npy", t2d.numpy())
+    kind = ["--speculator-type", "eagle3"] if peagle_depths is None else [
+        "--speculator-type", "peagle", "--num-depths", str(peagle_depths), "--draft-arch", "llama",
+        "--mask-token-id", str(int(shard_set.meta["verifier"]["vocab_size"]) - 1)]  # fmt: skip
     argv = [
-        "--verifier-name-or-path", verifier, "--data-path", str(tmp), "--speculator-type", "eagle3",
+        "--verifier-name-or-path", verifier, "--data-path", str(tmp), *kind,
         "--draft-vocab-size", str(d2t.numel()), "--d2t-path", str(tmp / "d2t.npy"),
         "--t2d-path", str(tmp / "t2d.npy"),
         "--target-layer-ids", *map(str, shard_set.meta["aux_layer_ids"]),
@@ -127,8 +142,10 @@ def train(
     args = argparse.Namespace(**cfg.flatten())
     set_seed(args.seed, getattr(args, "deterministic_cuda", False))
     d2t_s, t2d_s, dv = parse_vocab_mappings(args)
-    model = build_draft_model(args, Eagle3DraftModel, t2d_s, d2t_s, dv)
-    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
+    model_class = Eagle3DraftModel if peagle_depths is None else PEagleDraftModel
+    model = build_draft_model(args, model_class, t2d_s, d2t_s, dv)
+    model.embed_tokens.weight.requires_grad_(False)  # served with the verifier's (docstring)
+    train_kwargs, val_kwargs = model_class.get_trainer_kwargs(**vars(args))
     hidden = model.config.transformer_layer_config.hidden_size
     collate = CollateFn(batch_tokens, hidden, len(model.target_layer_ids), torch.float32, shift_batch)
 
@@ -175,16 +192,17 @@ def train(
     trainer.device_type = "cpu" if torch.accelerator.current_accelerator() is None else trainer.device_type
     trainer.run_training()
     return _write_project_checkpoint(model, out_dir, shard_set, vocab_dir, vocab_meta, d2t, total_steps, seed,
-                                     ttt_steps, train_refs, val_refs, argv)  # fmt: skip
+                                     ttt_steps, train_refs, val_refs, argv, peagle_depths)  # fmt: skip
 
 
 def _write_project_checkpoint(
     model: Any, out_dir: Path, shard_set: Any, vocab_dir: Path, vocab_meta: dict, d2t: torch.Tensor,
     step: int, seed: int, ttt_steps: int, train_refs: list, val_refs: list, argv: list[str],
+    parallel_k: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The trained weights as this project's checkpoint + meta.json, for 05_export.py."""
     model = model.cpu().float()
-    spec = spec_of(model, d2t)
+    spec = spec_of(model, d2t, parallel_k)
     frozen = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "d2t", "t2d"}
     weights = {n: p.detach() for n, p in model.named_parameters() if n not in frozen}
     meta = {

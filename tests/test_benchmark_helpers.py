@@ -63,3 +63,78 @@ def test_a_run_is_cached_only_when_its_last_checkpoint_is_complete(tmp_path):
     mark_complete(ckpts / "step_000072")
     assert dq.finished(tmp_path, 72)
     assert not dq.finished(tmp_path, 80)  # a longer run resumes
+
+
+def _run_dir(tmp_path: Path, name: str, spec) -> Path:
+    import json
+
+    d = tmp_path / name
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"draft": spec.to_json()}))
+    return d
+
+
+def test_cost_columns_count_forwards_and_kv_by_the_drafts_kind(tmp_path):
+    """Issue 27's columns beside a row's AL: 1 draft forward per step for a parallel draft, k for a
+    sequential one; the KV bytes per token of the draft as trained (bf16): 2 x kv heads x head_dim x 2 for
+    the Llama layer, (kv_lora + rope) x 2 for the MLA latent."""
+    from conftest import draft_spec
+
+    dc = _load("draft_cost")
+    llama = draft_spec(576, 49152, 8192, (2, 15, 27), num_attention_heads=9, num_key_value_heads=3,
+                       head_dim=64)  # fmt: skip
+    mla = draft_spec(576, 49152, 8192, (2, 15, 27), num_attention_heads=9, draft_arch="mla",
+                     norm_before_fc=False, mla_q_lora_rank=128, mla_kv_lora_rank=64, mla_qk_nope_head_dim=64,
+                     mla_qk_rope_head_dim=32, mla_v_head_dim=64)  # fmt: skip
+    par = draft_spec(576, 49152, 8192, (2, 15, 27), num_attention_heads=9, num_key_value_heads=3,
+                     head_dim=64, parallel_drafting=True, parallel_k=8)  # fmt: skip
+    for name, spec, forwards, kv in [("seq", llama, 5, 2 * 3 * 64 * 2), ("mla", mla, 5, (64 + 32) * 2),
+                                     ("par", par, 1, 2 * 3 * 64 * 2)]:  # fmt: skip
+        cost = dc.row_cost(_run_dir(tmp_path, name, spec), 5, None)
+        assert (cost["draft_forwards_per_step"], cost["draft_kv_bytes_per_token"]) == (forwards, kv), name
+        assert cost["kimi_speedup"] is None
+    # Kimi's drafts of those kinds: the MLA latent (512 + 64) x 2 on every rank, Llama's 64 kv heads of 128
+    # sharded over TP 8
+    assert dc.row_cost(tmp_path / "mla", 3, None)["kimi_draft_kv_bytes_per_token_per_rank"] == 576 * 2
+    assert dc.row_cost(tmp_path / "seq", 3, None)["kimi_draft_kv_bytes_per_token_per_rank"] == 8 * 2 * 128 * 2
+
+
+def test_kimi_speedup_is_the_cost_models_at_the_rows_al_and_k(tmp_path):
+    """The speedup column is speedup.py's AL x t(decode) / (t(verify k+1) + t(draft)) for the Kimi draft of
+    the row's kind; a parallel draft's cheaper step shows at equal AL; the cells' k comes from their key."""
+    from eagle3_pipeline.sizing import speedup
+
+    dc = _load("draft_cost")
+    assert dc.BATCH_SIZES == speedup.BATCH_SIZES
+    spec, draft, kv = dc.kimi_draft("llama", False)
+    v = speedup.verifier_model(dc.KIMI_K25_TEXT, kv["verifier"]["per_tp_rank"])
+    d = speedup.draft_model(draft["shapes"], kv["draft"]["per_tp_rank"], spec.num_attention_heads, spec.head_dim)
+    s = speedup.step(v, d, 8, False, 16, speedup.DEFAULT_CONTEXT, speedup.GPUS["H200"], 8)
+    got = dc.kimi_speedup("llama", False, 8, 2.5)["H200"][16]
+    assert math.isclose(got, 2.5 * s["base_s"] / (s["verify_s"] + s["draft_s"]), rel_tol=1e-12)
+    assert dc.kimi_speedup("llama", True, 8, 2.5)["H200"][16] > got  # one draft forward instead of 8
+    assert dc.kimi_draft("llama", True)[0].parallel and dc.kimi_draft("mla", False)[0].draft_arch == "mla"
+    from conftest import draft_spec
+
+    run = _run_dir(tmp_path, "seq", draft_spec(576, 49152, 8192, (2, 15, 27), num_attention_heads=9,
+                                          num_key_value_heads=3))
+    cells = dc.cell_costs(run, {"thinking_prob/k8": {"mean_acceptance_length": 2.5},
+                                "thinking_prob/k3": {"mean_acceptance_length": 1.2}})  # fmt: skip
+    assert cells["thinking_prob/k8"]["draft_forwards_per_step"] == 8
+    assert cells["thinking_prob/k8"]["kimi_speedup"]["H200"][16] == got
+    assert cells["thinking_prob/k3"]["kimi_speedup"] == dc.kimi_speedup("llama", False, 3, 1.2)
+
+
+def test_paired_al_difference_keeps_what_two_drafts_share_on_the_same_requests():
+    dq = _load("draft_quality")
+    a = [(10, [8, 0]), (10, [1, 1])]  # rate 0.5; the first request accepts far more than the second
+    # a draft compared with itself differs by exactly 0 whatever the spread between requests
+    assert dq.al_difference_standard_error(a, a) == 0.0
+    # the same per-request spread shifted by one accepted token each: the difference is known without error,
+    # though each AL alone has a standard error of 0.3
+    b = [(10, [9, 0]), (10, [2, 1])]
+    assert math.isclose(dq.al_standard_error(a), 0.3)
+    assert dq.al_difference_standard_error(a, b) < 1e-12
+    # against a draft with no spread, the difference carries a's whole spread: its standard error alone
+    c = [(10, [3, 0]), (10, [3, 0])]
+    assert math.isclose(dq.al_difference_standard_error(a, c), dq.al_standard_error(a))

@@ -135,12 +135,18 @@ def forward_seconds(m: Model, tokens: int, batch: int, context: int, gpu: Gpu, g
     return max(memory_s, compute_s) + m.layers * LAYER_SECONDS
 
 
+def draft_forwards(k: int, parallel: bool) -> int:
+    """The draft's forwards per decode step: one with parallel drafting, k one after another without."""
+    return 1 if parallel else k
+
+
 def draft_seconds(d: Model, k: int, parallel: bool, batch: int, context: int, gpu: Gpu, gpus: int) -> float:
-    """The draft's forwards of one step: one over B x 2k tokens (parallel) or k (sequential)."""
+    """The draft's forwards of one step: one over B x 2k tokens (parallel) or k (sequential: the first
+    over the B x (k + 1) verified tokens, the others over B)."""
     if parallel:
         return forward_seconds(d, batch * 2 * k, batch, context, gpu, gpus)
     first = forward_seconds(d, batch * (k + 1), batch, context, gpu, gpus)
-    return first + (k - 1) * forward_seconds(d, batch, batch, context, gpu, gpus)
+    return first + (draft_forwards(k, parallel) - 1) * forward_seconds(d, batch, batch, context, gpu, gpus)
 
 
 def step(
