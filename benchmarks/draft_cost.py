@@ -23,16 +23,6 @@ REPO = Path(__file__).resolve().parent.parent
 KIMI_CONFIG = REPO / "configs" / "kimi_k25.toml"
 BATCH_SIZES = (1, 16, 64)  # = speedup.BATCH_SIZES, the batches its report holds (checked in the tests)
 KIMI_TP = 8  # one node of 8 GPUs, tensor parallel: how the docs' speedup tables serve Kimi-K2.5
-# Kimi-K2.5's text config (the fields the cost model reads; moonshotai/Kimi-K2.5 config.json text_config,
-# contract section 6): DeepSeek-V3 MLA + MoE, routed experts INT4 with group 32 (compressed-tensors)
-KIMI_K25_TEXT: dict[str, Any] = {
-    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
-    "vocab_size": 163840, "rms_norm_eps": 1e-5, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
-    "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "rope_theta": 50000,
-    "quantization_config": {"config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}}},
-}  # fmt: skip
 
 
 def draft_spec(train_dir: Path) -> Any:
@@ -54,6 +44,7 @@ def kimi_draft(arch: str, parallel: bool) -> tuple[Any, dict[str, Any], dict[str
     from eagle3_pipeline.models.draft import spec_for_training
     from eagle3_pipeline.models.verifier import default_aux_layer_ids
     from eagle3_pipeline.sizing import kv_cache
+    from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG
     from eagle3_pipeline.sizing.plan import draft_report
 
     train = config_from_file(TrainConfig, str(KIMI_CONFIG))
@@ -61,7 +52,7 @@ def kimi_draft(arch: str, parallel: bool) -> tuple[Any, dict[str, Any], dict[str
     mla = {"norm_before_fc": False} if arch == "mla" else {}
     train = dataclasses.replace(train, draft_arch=arch, parallel_drafting=parallel, **mla)
     vocab = config_from_file(VocabConfig, str(KIMI_CONFIG)).draft_vocab_size
-    t = KIMI_K25_TEXT
+    t = KIMI_K25_TEXT_CONFIG
     spec = spec_for_training(train, t, vocab, default_aux_layer_ids(int(t["num_hidden_layers"])))
     return spec, draft_report(spec, train.train_lm_head), kv_cache.kv_cache_report(spec, t, KIMI_TP)
 
@@ -70,9 +61,10 @@ def kimi_speedup(arch: str, parallel: bool, k: int, al: float) -> dict[str, dict
     """The cost model's expected decode speedup of Kimi-K2.5 with this kind of draft at AL `al`, k drafts
     per step: {gpu: {batch: speedup}}."""
     from eagle3_pipeline.sizing import speedup
+    from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG
 
     spec, draft, kv = kimi_draft(arch, parallel)
-    verifier = speedup.verifier_model(KIMI_K25_TEXT, kv["verifier"]["per_tp_rank"])
+    verifier = speedup.verifier_model(KIMI_K25_TEXT_CONFIG, kv["verifier"]["per_tp_rank"])
     d = speedup.draft_model(draft["shapes"], kv["draft"]["per_tp_rank"], spec.num_attention_heads, spec.head_dim)
     r = speedup.report(verifier, d, k, spec.parallel, KIMI_TP, speedup.DEFAULT_CONTEXT, al)
     return {gpu: {b: s["speedup"] for b, s in rows.items()} for gpu, rows in r["by_gpu"].items()}

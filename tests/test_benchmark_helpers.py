@@ -103,11 +103,12 @@ def test_kimi_speedup_is_the_cost_models_at_the_rows_al_and_k(tmp_path):
     """The speedup column is speedup.py's AL x t(decode) / (t(verify k+1) + t(draft)) for the Kimi draft of
     the row's kind; a parallel draft's cheaper step shows at equal AL; the cells' k comes from their key."""
     from eagle3_pipeline.sizing import speedup
+    from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG
 
     dc = _load("draft_cost")
     assert dc.BATCH_SIZES == speedup.BATCH_SIZES
     spec, draft, kv = dc.kimi_draft("llama", False)
-    v = speedup.verifier_model(dc.KIMI_K25_TEXT, kv["verifier"]["per_tp_rank"])
+    v = speedup.verifier_model(KIMI_K25_TEXT_CONFIG, kv["verifier"]["per_tp_rank"])
     d = speedup.draft_model(draft["shapes"], kv["draft"]["per_tp_rank"], spec.num_attention_heads, spec.head_dim)
     s = speedup.step(v, d, 8, False, 16, speedup.DEFAULT_CONTEXT, speedup.GPUS["H200"], 8)
     got = dc.kimi_speedup("llama", False, 8, 2.5)["H200"][16]

@@ -19,17 +19,9 @@ def kimi_config_only(tmp_path):
     """A Kimi-K2.5-shaped verifier folder holding config.json only (contract section 6): no weights."""
     d = tmp_path / "kimi-k2.5"
     d.mkdir()
-    text = {
-        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": H,
-        "num_hidden_layers": 61, "num_attention_heads": 64, "vocab_size": V, "rms_norm_eps": 1e-5,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "rope_theta": 50000, "tie_word_embeddings": False,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}}},
-        "rope_scaling": {"type": "yarn", "factor": 64, "original_max_position_embeddings": 4096},
-    }  # fmt: skip
+    from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG as text
+
+    assert (text["hidden_size"], text["vocab_size"]) == (H, V)
     cfg = {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",
