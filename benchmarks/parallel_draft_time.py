@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/parallel_draft_time.py            # trains the draft first if needed (~5 min)
     .venv/bin/python benchmarks/parallel_draft_time.py --quick    # 2 prompts, 32 tokens
+    .venv/bin/python benchmarks/parallel_draft_time.py --prompts 1 --report parallel_draft_time_batch1.json
 
 The draft: configs/tiny_mla.toml (the tiny Kimi-latent MLA verifier) with `parallel_drafting = true`,
 `parallel_k = 8`, made by scripts/run_tiny.sh under --run-dir (reused when complete). Each setting is one
@@ -12,7 +13,7 @@ eager); the greedy batch runs once to warm up, then once timed. Figure: the mean
 `SpecDecodeBaseProposer.propose` per call (one call per decode step of the whole batch: the first pass over
 the verified tokens plus the drafts): the median call over 3 timed runs (robust to this shared machine's
 load spikes and to the prefill's one long call), the mean beside it, and the median as a ratio to parallel
-k = 1 measured in the same run. Prints a table and writes parallel_draft_time.json beside this file.
+k = 1 measured in the same run. Prints a table and writes --report (parallel_draft_time.json) beside this file.
 """
 
 from __future__ import annotations
@@ -108,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default=str(REPO / "runs" / "bench_parallel_draft"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompts", type=int, help="requests in the batch (default 6; --quick 2; 1: batch 1)")
+    ap.add_argument("--report", default="parallel_draft_time.json", help="JSON file name beside this script")
     args = ap.parse_args(argv)
     n, tokens = (2, 32) if args.quick else (6, 64)
+    n = args.prompts or n
     run_dir = ensure_draft(Path(args.run_dir).resolve())
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "verifier"))
     prompts = build_prompts(tokenizer, REPO / "tests" / "data" / "conversations.jsonl", 0, n)
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_to_parallel_k1"] = r["propose_ms_per_step"] / base
         print(f"{r['drafting']:<18}{r['k']:>3}{r['steps']:>7}{r['propose_ms_per_step']:>15.2f}"
               f"{r['propose_ms_mean']:>9.2f}{r['ratio_to_parallel_k1']:>16.2f}x")
-    out = Path(__file__).with_suffix(".json")
+    out = Path(__file__).with_name(args.report)
     out.write_text(json.dumps({"machine": platform.machine(), "cpus": os.cpu_count(), "prompts": n,
                                "max_new_tokens": tokens, "rows": rows}, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")
