@@ -32,11 +32,6 @@ def draft_spec(train_dir: Path) -> Any:
     return DraftSpec.from_json(json.loads((Path(train_dir) / "meta.json").read_text())["draft"])
 
 
-def kind(spec: Any) -> tuple[str, bool]:
-    """(draft_arch, parallel) of a draft spec."""
-    return spec.draft_arch, spec.parallel
-
-
 @lru_cache(maxsize=None)
 def kimi_draft(arch: str, parallel: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The Kimi-K2.5 draft of this kind: (spec, plan.draft_report, kv_cache_report at TP KIMI_TP)."""
@@ -75,7 +70,7 @@ def row_cost(train_dir: Path, k: int, al: float | None) -> dict[str, Any]:
     from eagle3_pipeline.sizing import kv_cache, speedup
 
     spec = draft_spec(train_dir)
-    arch, parallel = kind(spec)
+    arch, parallel = spec.draft_arch, spec.parallel
     _, _, kimi_kv = kimi_draft(arch, parallel)
     return {
         "draft_arch": arch,

@@ -146,7 +146,7 @@ def draft_seconds(d: Model, k: int, parallel: bool, batch: int, context: int, gp
     if parallel:
         return forward_seconds(d, batch * 2 * k, batch, context, gpu, gpus)
     first = forward_seconds(d, batch * (k + 1), batch, context, gpu, gpus)
-    return first + (draft_forwards(k, parallel) - 1) * forward_seconds(d, batch, batch, context, gpu, gpus)
+    return first + (k - 1) * forward_seconds(d, batch, batch, context, gpu, gpus)
 
 
 def step(
