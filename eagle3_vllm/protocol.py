@@ -2,9 +2,10 @@
 
 A client (eagle3_pipeline/vllm_side/vllm_engine.py) starts `<vLLM env python> -m eagle3_vllm --session` (or a
 server, `--serve HOST:PORT --request REQ.json`, for clients on this machine) and sends one JSON line per
-request: {"request": REQ.json, "out": OUT.json}, or {"start": REQ.json} to start that request's engine
-without running it. Each answer is one line MARK + JSON: {"out": ...}, {"started": seconds}, or
-{"error": ..., "root_cause": ...}. The worker keeps one engine while ENGINE_KEYS stay the same.
+request: {"request": REQ.json, "out": OUT.json}, {"start": REQ.json} to start that request's engine
+without running it, or {"release": true} to stop the engine until the next request. Each answer is one
+line MARK + JSON: {"out": ...}, {"started": seconds}, {"released": true}, or {"error": ..., "root_cause":
+...}. The worker keeps one engine while ENGINE_KEYS stay the same.
 `load_request` is the request's schema (eagle3_vllm/worker.py's docstring lists every key).
 """
 

@@ -7,8 +7,9 @@ extract_hidden_states; run inside vLLM's environment, standard library and vLLM 
     <vllm env python> -m eagle3_vllm --serve 127.0.0.1:0 --request REQ.json
 
 Session: one engine for many requests (the verifier loads once), rebuilt only when a request's engine
-settings change; each stdin line is {"request": REQ.json, "out": OUT.json} (or {"start": REQ.json}), each
-answer one stdout line (protocol.py). Server: the engine of REQ.json (its prompts may be absent), then
+settings change; each stdin line is {"request": REQ.json, "out": OUT.json} (or {"start": REQ.json}, or
+{"release": true}: stop the engine, freeing its memory, until the next request), each answer one stdout
+line (protocol.py). Server: the engine of REQ.json (its prompts may be absent), then
 clients on that address (one at a time) send session lines; a request with other engine settings is
 refused. Stops at SIGTERM.
 
@@ -357,6 +358,12 @@ class Engines:
         """One request line -> its answer (the result is written to the line's "out" file)."""
         try:
             msg = json.loads(line)
+            if "release" in msg:  # the engine stops; the next request starts one
+                if self.fixed:
+                    raise RequestError("a server keeps its engine: stop the server instead")
+                self.close()
+                self.llm = self.key = self.kwargs = None
+                return {"released": True}
             if "start" in msg:  # start the engine of this request now; its prompts are not run
                 req = load_request(msg["start"])
                 if self.llm is None or engine_key(req) != self.key:

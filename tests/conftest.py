@@ -92,6 +92,17 @@ def vllm_available() -> tuple[bool, str]:
 
 
 @pytest.fixture(scope="session")
+def vllm_worker():
+    """One vLLM worker for the session's vLLM test files (vLLM imported once, about 10 s on these 2 cores):
+    it rebuilds its engine when a request's engine settings change; each file stops its engine when done
+    (`WorkerSession.release`), so no idle engine holds memory beside the next file's servers."""
+    from eagle3_pipeline.vllm_side import vllm_engine
+
+    with vllm_engine.WorkerSession(probe=False) as session:  # (the files check available() first)
+        yield session
+
+
+@pytest.fixture(scope="session")
 def tiny_verifier(tmp_path_factory) -> Path:
     from eagle3_pipeline.models.tiny import build_verifier
 

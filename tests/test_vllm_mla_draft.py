@@ -4,8 +4,10 @@ real engine (CPU build): greedy output equal to the verifier's own on every prom
 counters equal to vLLM's, and at Kimi's thinking settings (1.0 / 0.95, probabilistic drafting) the
 acceptance within the tier's tolerance of the simulation over vLLM's outputs.
 
-One worker (vLLM imported once) and two engines (greedy drafting, probabilistic drafting) for the whole
-file. Needs scripts/setup_vllm_cpu.sh's environment, as tests/test_vllm_tier.py (same skip rules).
+The session's worker and one engine for the whole file, built with probabilistic drafting: vLLM drafts a batch of
+greedy requests by the draft's argmax all the same (`_sample_draft_tokens` in
+vllm/v1/spec_decode/llm_base_proposer.py returns `_greedy_sample` when `sampling_metadata.all_greedy`), so
+the greedy requests are drafted as with draft_sample_method "greedy" and one engine start is saved. Needs scripts/setup_vllm_cpu.sh's environment, as tests/test_vllm_tier.py (same skip rules).
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ def mla_run(tier_stages) -> Path:
 
 
 @pytest.fixture(scope="module")
-def worker(mla_run):
-    with vllm_engine.WorkerSession(probe=False) as session:
-        yield session
+def worker(vllm_worker, mla_run):
+    yield vllm_worker  # the session's (conftest.vllm_worker), its engine stopped after this file
+    vllm_worker.release()
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,10 @@ def prompts(mla_run) -> list[list[int]]:
     return build_prompts(tokenizer, DATA / "conversations.jsonl", 0, NUM_PROMPTS)
 
 
-def serve(worker, run: Path, prompts, sampling=None, draft_sample_method: str = "greedy") -> dict:
+def serve(worker, run: Path, prompts, sampling=None) -> dict:
+    """The requests in the file's one engine (probabilistic drafting: argmax for an all-greedy batch)."""
     fields = vllm_engine.generate_fields(
-        run / "verifier", run / "draft", prompts, MAX_NEW_TOKENS, K, False, draft_sample_method
+        run / "verifier", run / "draft", prompts, MAX_NEW_TOKENS, K, False, "probabilistic"
     )
     return worker.request({**fields, **vllm_engine.sampling_fields(sampling, len(prompts))})
 
@@ -87,7 +90,8 @@ def test_mla_export_is_the_config_vllm_detects_as_an_mla_eagle3_draft(mla_run):
 
 def test_vllm_serves_the_mla_draft_losslessly_with_the_simulations_counters(mla_run, prompts, worker):
     """Greedy: vLLM's output token for token the verifier's own greedy output (the simulation's, fp32),
-    and vLLM's drafts and accepted counts per position exactly the simulation's."""
+    and vLLM's drafts and accepted counts per position exactly the simulation's (greedy drafting: the
+    argmax an all-greedy batch is drafted by)."""
     from eagle3_pipeline.export_eval.evaluate import compare, simulate
 
     vllm = serve(worker, mla_run, prompts)
@@ -110,7 +114,7 @@ def test_mla_draft_at_thinking_settings_agrees_with_the_simulation_in_vllm(mla_r
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     sampling = Sampling(**THINKING)
-    vllm = serve(worker, mla_run, requests, sampling, draft_sample_method="probabilistic")
+    vllm = serve(worker, mla_run, requests, sampling)
     sim, _ = simulate(mla_run / "verifier", mla_run / "draft", requests, MAX_NEW_TOKENS, K, sampling=sampling,
                       replay=vllm["outputs"], draft_sample_method="probabilistic")  # fmt: skip
     print(f"\nMLA draft, thinking + probabilistic: vLLM {vllm['mean_acceptance_length']:.3f} | sim over "

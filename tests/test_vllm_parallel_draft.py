@@ -48,8 +48,9 @@ def run(tier_stages) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(run) -> dict:
-    """One vLLM engine (parallel_drafting on) for the greedy prompts and the thinking-mode requests."""
+def served(run, vllm_worker) -> dict:
+    """One vLLM engine (parallel_drafting on) in the session's worker for the greedy prompts and the
+    thinking-mode requests, stopped once they are served."""
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.export_eval.evaluate import build_prompts
@@ -61,13 +62,14 @@ def served(run) -> dict:
     sampled = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     thinking = Sampling(**THINKING)
     t0 = time.time()
-    with vllm_engine.WorkerSession(probe=False) as worker:
-        fields = vllm_engine.generate_fields(run / "verifier", run / "draft", prompts, MAX_NEW_TOKENS, K,
-                                             False)  # fmt: skip
-        assert fields["parallel_drafting"] is True
-        greedy = worker.request(fields)
+    fields = vllm_engine.generate_fields(run / "verifier", run / "draft", prompts, MAX_NEW_TOKENS, K, False)
+    assert fields["parallel_drafting"] is True
+    try:
+        greedy = vllm_worker.request(fields)
         fields = {**fields, "prompts": sampled}
-        hot = worker.request({**fields, **vllm_engine.sampling_fields(thinking, len(sampled))})
+        hot = vllm_worker.request({**fields, **vllm_engine.sampling_fields(thinking, len(sampled))})
+    finally:
+        vllm_worker.release()
     print(f"\nvLLM engine (start + {len(prompts)} greedy + {len(sampled)} sampled requests): "
           f"{time.time() - t0:.0f} s")  # fmt: skip
     return {"prompts": prompts, "sampled": sampled, "greedy": greedy, "thinking": hot, "sampling": thinking}

@@ -114,12 +114,12 @@ def tier_run(request, tier_stages) -> Path:
 
 
 @pytest.fixture(scope="module")
-def worker(tier_run):
-    """One vLLM worker for the tests of a verifier (vLLM imported once): it rebuilds its engine when a
-    request's engine settings (draft, draft_sample_method, ...) change, and reports counters per request
-    (the metrics' increase over that request's generate call, eagle3_vllm/worker.py)."""
-    with vllm_engine.WorkerSession(probe=False) as session:  # (available() checked above)
-        yield session
+def worker(vllm_worker, tier_run):
+    """The session's vLLM worker (conftest.vllm_worker) for the tests of a verifier: it rebuilds its engine
+    when a request's engine settings (draft, draft_sample_method, ...) change, and reports counters per
+    request (the metrics' increase over that request's generate call, eagle3_vllm/worker.py)."""
+    yield vllm_worker
+    vllm_worker.release()
 
 
 def generate_in(
@@ -220,6 +220,9 @@ def test_vllm_acceptance_per_position_agrees_with_simulation(trained):
     assert trained["vllm"]["acceptance_rate_per_pos"][-1] > 0.4, trained["vllm"]
 
 
+# On the MLA verifier (Kimi's path; an engine start): the Llama verifier's trained draft shows what it
+# accepts in test_vllm_acceptance_per_position_agrees_with_simulation (last position above 0.4)
+@pytest.mark.parametrize("tier_run", ["mla"], indirect=True)
 def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts, trained, worker):
     (untrained,) = generate_in(worker, tier_run / "verifier", tier_run / "draft_init", prompts)
     print(f"\nuntrained draft: vLLM {untrained['mean_acceptance_length']:.3f}")
@@ -298,6 +301,9 @@ UNMEASURABLE_HERE = {"norm_flag_dropped", "aux_ids_shifted"}
 SERVED_FAULTS = [f for f in sorted(SABOTAGES) if f not in UNMEASURABLE_HERE]
 
 
+# Served on the MLA verifier only (Kimi's path): the faults are the export's, and the draft exported is the
+# same Llama layer on both verifiers; each fault served costs an engine start (about 25 s in CI).
+@pytest.mark.parametrize("tier_run", ["mla"], indirect=True)
 @pytest.mark.parametrize("fault", SERVED_FAULTS)
 def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(
     tier_run, prompts, trained, worker, fault, tmp_path
@@ -314,8 +320,11 @@ def test_sabotaged_export_is_refused_and_accepts_less_in_vllm(
     assert served["mean_acceptance_length"] < trained["vllm"]["mean_acceptance_length"] - 0.2
 
 
+@pytest.mark.parametrize("tier_run", ["mla"], indirect=True)
 def test_vllm_regeneration_equals_the_hf_engines_greedy_output(tier_run, tmp_path):
-    """Stage 00 through vLLM (one worker session) stores the same token ids as through transformers."""
+    """Stage 00 through vLLM (one worker session) stores the same token ids as through transformers, on the
+    MLA verifier (Kimi's path; the Llama verifier's greedy output in vLLM is the simulation's in
+    test_vllm_speculation_is_lossless, and stage 00's handling is the same for both)."""
     outs = {}
     for engine in ("vllm", "hf"):
         run_script(

@@ -168,6 +168,10 @@ class WorkerSession:
         req.unlink()
         return answer["started"]
 
+    def release(self) -> None:
+        """Stop the worker's engine (its memory freed); the session goes on, the next request starts one."""
+        self._exchange({"release": True})
+
     def request(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Send one request (the worker's request keys; engine dtype/TP filled in) and wait for it."""
         req = self._write_request(fields)
