@@ -26,8 +26,9 @@
    multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
 factor of the project's recipe changed at a time (on the regenerated data), among them the draft's kind
-(issue 27): the MLA draft, parallel drafting (P-EAGLE, parallel_k 8) and speculators' own peagle trained
-by its Trainer (SPECULATORS_ROWS); `--ks 3 5 8` simulates k = 8 too. Beside every simulated cell: draft
+(issue 27): the MLA draft (on an MLA verifier with the verifier's own MLA dims, `mla_row`), parallel
+drafting (P-EAGLE, parallel_k 8) and speculators' own peagle trained by its Trainer (SPECULATORS_ROWS);
+`--ks 3 5 8` simulates k = 8 too. Beside every simulated cell: draft
 forwards per step, draft KV bytes per token and the expected Kimi-K2.5 speedup at that AL
 (benchmarks/draft_cost.py, the `--plan` cost model).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
