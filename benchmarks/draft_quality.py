@@ -26,8 +26,9 @@
    multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
 factor of the project's recipe changed at a time (on the regenerated data), among them the draft's kind
-(issue 27): the MLA draft, parallel drafting (P-EAGLE, parallel_k 8) and speculators' own peagle trained
-by its Trainer (SPECULATORS_ROWS); `--ks 3 5 8` simulates k = 8 too. Beside every simulated cell: draft
+(issue 27): the MLA draft (on an MLA verifier with the verifier's own MLA dims, `mla_row`), parallel
+drafting (P-EAGLE, parallel_k 8) and speculators' own peagle trained by its Trainer (SPECULATORS_ROWS);
+`--ks 3 5 8` simulates k = 8 too. Beside every simulated cell: draft
 forwards per step, draft KV bytes per token and the expected Kimi-K2.5 speedup at that AL
 (benchmarks/draft_cost.py, the `--plan` cost model).
 Not in CI: the full size takes tens of minutes on 2 cores (--quick: about 10).
@@ -89,7 +90,24 @@ SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), u
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
 SPECULATORS_ROW = "speculators 0.9.0 defaults"
-MLA_ROW = "MLA draft (q_lora 128, kv_lora 64, nope 64, rope 32, v 64)"
+# The MLA row's dims as its name says them (models/draft.MLA_DIMS order). On a verifier without MLA
+# (SmolLM2: hidden 576, 9 heads of 64) they are set, in Kimi-K2.5's proportions (hidden 7168, heads of 112
+# wide): q_lora 1536 / 7168 x 576 = 123 -> 128, kv_lora 512 / 7168 x 576 = 41 -> 64, nope / rope / v
+# 128 / 64 / 128 x 64 / 112 -> 64 / 32 / 64. On an MLA verifier (the trained DeepSeek-V3 one) the draft
+# takes the verifier's own, as the pipeline does without --mla-* flags (mla_row).
+MLA_DIM_LABELS = {"q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora", "qk_nope_head_dim": "nope",
+                  "qk_rope_head_dim": "rope", "v_head_dim": "v"}  # fmt: skip
+SMOLLM2_MLA_DIMS = {"q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                    "v_head_dim": 64}  # fmt: skip
+
+
+def mla_row_name(dims: dict[str, int], verifiers: bool = False) -> str:
+    """The MLA row's name, saying the dims it trained with (`verifiers`: taken from the verifier)."""
+    said = ", ".join(f"{label} {dims[d]}" for d, label in MLA_DIM_LABELS.items())
+    return f"MLA draft (the verifier's: {said})" if verifiers else f"MLA draft ({said})"
+
+
+MLA_ROW = mla_row_name(SMOLLM2_MLA_DIMS)  # "MLA draft (q_lora 128, kv_lora 64, nope 64, rope 32, v 64)"
 PARALLEL_ROW = "parallel drafting (P-EAGLE, parallel_k 8)"
 # speculators' own rows: the row -> its P-EAGLE depths (None: EAGLE-3), trained by speculators' Trainer
 SPECULATORS_PEAGLE_ROW = "speculators 0.9.0 peagle (parallel_k 8)"
@@ -115,12 +133,10 @@ ABLATIONS: dict[str, list[str]] = {
     "served target (loss top-p 0.95)": ["--loss-top-p", "0.95"],
     "served target, loss tv (1 - sum min(p~, q): the acceptance rate itself)": ["--loss-top-p", "0.95",
                                                                               "--loss", "tv"],
-    # issue 27: the draft's kind. MLA dims for SmolLM2 (hidden 576, 9 heads of 64) in Kimi-K2.5's
-    # proportions (hidden 7168, heads of 112 wide): q_lora 1536 / 7168 x 576 = 123 -> 128, kv_lora
-    # 512 / 7168 x 576 = 41 -> 64, nope / rope / v 128 / 64 / 128 x 64 / 112 -> 64 / 32 / 64; MLA has no
+    # issue 27: the draft's kind, with SMOLLM2_MLA_DIMS (an MLA verifier: mla_row); MLA has no
     # norm_before_fc in vLLM (deepseek_eagle3.py), so that is off too (the config refuses it otherwise).
-    MLA_ROW: ["--draft-arch", "mla", "--mla-q-lora-rank", "128", "--mla-kv-lora-rank", "64",
-              "--mla-qk-nope-head-dim", "64", "--mla-qk-rope-head-dim", "32", "--mla-v-head-dim", "64",
+    MLA_ROW: ["--draft-arch", "mla",
+              *(x for d, v in SMOLLM2_MLA_DIMS.items() for x in (f"--mla-{d.replace('_', '-')}", str(v))),
               "--no-norm-before-fc"],
     # the MLA row's other change alone, on the Llama layer (separates the layer from the flag)
     "norm_before_fc off (the MLA draft's setting)": ["--no-norm-before-fc"],
@@ -132,6 +148,48 @@ ABLATIONS: dict[str, list[str]] = {
         "--parallel-drafting", "--parallel-k", "8", "--no-norm-before-fc", "--no-norm-output"],
     PARALLEL_ROW + ", head_dim 64 (peagle's)": ["--parallel-drafting", "--parallel-k", "8", "--head-dim", "64"],
 }  # fmt: skip
+
+
+def mla_row(verifier_config: dict[str, Any]) -> tuple[str, list[str]]:
+    """The MLA row's name and flags on this verifier: on an MLA verifier (its config.json has kv_lora_rank)
+    no --mla-* flag, so the draft takes the verifier's dims (models/draft.mla_dims, named in the row);
+    on any other, MLA_ROW with SMOLLM2_MLA_DIMS (kept as its reports name it)."""
+    if not verifier_config.get("kv_lora_rank"):
+        return MLA_ROW, ABLATIONS[MLA_ROW]
+    from types import SimpleNamespace
+
+    from eagle3_pipeline.models.draft import mla_dims
+
+    dims = mla_dims(SimpleNamespace(), verifier_config)  # no [train] mla_* set: every dim the verifier's
+    return mla_row_name(dims, verifiers=True), ["--draft-arch", "mla", "--no-norm-before-fc"]
+
+
+def ablation_rows(verifier_config: dict[str, Any]) -> dict[str, list[str]]:
+    """ABLATIONS on this verifier: the MLA row as mla_row gives it, in its place; the others unchanged."""
+    name, flags = mla_row(verifier_config)
+    return {(name if n == MLA_ROW else n): (flags if n == MLA_ROW else x) for n, x in ABLATIONS.items()}
+
+
+def needed_datasets(
+    headline: list[str], ablation_data: str | None, full_vocab: bool, stored: bool
+) -> list[str]:
+    """The data sets a run trains on, in DATASETS order (each costs its stage 00 and stages 01-03): the
+    headline rows' (RECIPE/DATA), the ablations' (None: no ablations), regenerated_t1 for --full-vocab and
+    regenerated for --fp8 / --bf16 (`stored`)."""
+    want = {h.split("/", 1)[1] for h in headline} | {ablation_data} - {None}
+    want |= {"regenerated_t1"} if full_vocab else set()
+    want |= {"regenerated"} if stored else set()
+    return [ds for ds in DATASETS if ds in want]
+
+
+def only_ablations(rows: dict[str, list[str]], names: list[str] | None) -> dict[str, list[str]]:
+    """The rows --only-ablations picks (None: all): each name the row of exactly that name, else every row
+    it begins (so the parallel row alone is not also its variants)."""
+    if not names:
+        return rows
+    picked = {n for name in names
+              for n in ([name] if name in rows else [r for r in rows if r.startswith(name)])}  # fmt: skip
+    return {n: x for n, x in rows.items() if n in picked}
 
 
 def sh(args: list[str], log: Path, threads: int) -> None:
@@ -524,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
     p.add_argument("--ablation-data", default="regenerated", choices=["given", "regenerated", "regenerated_t1"],
                    help="data set of the ablation runs (regenerated_t1: regenerated at the thinking settings)")
-    p.add_argument("--only-ablations", nargs="+", metavar="NAME", help="a subset of the ablation rows (prefixes)")
+    p.add_argument("--only-ablations", nargs="+", metavar="NAME",
+                   help="a subset of the ablation rows (whole names, else prefixes)")
     p.add_argument("--headline", nargs="+", default=HEADLINE, choices=HEADLINE, metavar="RECIPE/DATA",
                    help=f"the headline rows to train and serve (default all: {' '.join(HEADLINE)})")
     p.add_argument("--ks", nargs="+", type=int, default=list(DEFAULT_KS), choices=SERVED_KS,
@@ -581,26 +640,26 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     regen = ["--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
              "--engine", engine, "--max-new-tokens", str(a.regen_max_new_tokens),
              "--max-seq-len", "1024"]  # fmt: skip
-    t = time.time()
-    sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
-    phase("regenerate greedy", t)
-    t = time.time()
-    sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated_t1"), "--temperature", "1.0",
-        "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
-    phase("regenerate thinking 1.0/0.95", t)
+    needed = needed_datasets(a.headline, a.ablation_data if a.ablations else None, a.full_vocab,
+                             a.fp8 or a.bf16)  # fmt: skip
+    if "regenerated" in needed:
+        t = time.time()
+        sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
+        phase("regenerate greedy", t)
+    if "regenerated_t1" in needed:
+        t = time.time()
+        sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated_t1"),
+            "--temperature", "1.0", "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
+        phase("regenerate thinking 1.0/0.95", t)
     modes = {**RECIPE_MODE, **({"given": a.given_recipe} if a.given_recipe else {})}
     draft_vocab = a.draft_vocab_size or (8192 if a.verifier == "smollm2" else 1024)
     aux_ids = aux_layer_ids(work, a.verifier)
     t = time.time()
-    datasets = {
-        "given": prepare(work, "given", work / "data/given.jsonl", log, a.threads, draft_vocab,
-                         aux_ids=aux_ids),
-        "regenerated": prepare(work, "regenerated", work / "data/regenerated/conversations.jsonl", log, a.threads,
-                               draft_vocab, aux_ids=aux_ids),
-        "regenerated_t1": prepare(work, "regenerated_t1", work / "data/regenerated_t1/conversations.jsonl", log,
-                                  a.threads, draft_vocab, aux_ids=aux_ids),
-    }  # fmt: skip
-    phase("stages 01-03 (3 data sets)", t)
+    sources = {"given": work / "data/given.jsonl",
+               **{ds: work / "data" / ds / "conversations.jsonl" for ds in ("regenerated", "regenerated_t1")}}
+    datasets = {ds: prepare(work, ds, sources[ds], log, a.threads, draft_vocab, aux_ids=aux_ids)
+                for ds in needed}  # fmt: skip
+    phase(f"stages 01-03 ({len(needed)} data sets)", t)
     t = time.time()
     prompts = heldout_prompts(work)[: a.eval_prompts]
     rows: list[dict[str, Any]] = []
@@ -645,8 +704,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         root = datasets[a.ablation_data]
         steps = planned_steps(root, a.ablation_epochs, 1024)
         threads = max(1, a.threads // a.jobs)
-        chosen = {n: x for n, x in {**ABLATIONS, SPECULATORS_PEAGLE_ROW: []}.items()
-                  if not a.only_ablations or n.startswith(tuple(a.only_ablations))}  # fmt: skip
+        chosen = only_ablations({**ablation_rows(vcfg), SPECULATORS_PEAGLE_ROW: []}, a.only_ablations)
         variants = {"project (defaults)": [], SPECULATORS_ROW: [], **chosen}
 
         def one(item: tuple[str, list[str]]) -> tuple[str, Path]:

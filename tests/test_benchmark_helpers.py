@@ -139,3 +139,45 @@ def test_paired_al_difference_keeps_what_two_drafts_share_on_the_same_requests()
     # against a draft with no spread, the difference carries a's whole spread: its standard error alone
     c = [(10, [3, 0]), (10, [3, 0])]
     assert math.isclose(dq.al_difference_standard_error(a, c), dq.al_standard_error(a))
+
+
+def test_mla_row_takes_an_mla_verifiers_own_dims_and_names_them():
+    dq = _load("draft_quality")
+    smollm2 = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9}
+    kimi_latent = {"model_type": "deepseek_v3", "hidden_size": 192, "q_lora_rank": 128, "kv_lora_rank": 512,
+                   "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64}  # fmt: skip
+    # a verifier without MLA: the SmolLM2 row, name and flags as its reports were made with
+    name, flags = dq.mla_row(smollm2)
+    assert name == "MLA draft (q_lora 128, kv_lora 64, nope 64, rope 32, v 64)" == dq.MLA_ROW
+    assert flags == ["--draft-arch", "mla", "--mla-q-lora-rank", "128", "--mla-kv-lora-rank", "64",
+                     "--mla-qk-nope-head-dim", "64", "--mla-qk-rope-head-dim", "32", "--mla-v-head-dim", "64",
+                     "--no-norm-before-fc"]  # fmt: skip
+    # an MLA verifier: no --mla-* flag (04_train then takes the verifier's), the row says which dims
+    name, flags = dq.mla_row(kimi_latent)
+    assert name == "MLA draft (the verifier's: q_lora 128, kv_lora 512, nope 64, rope 64, v 64)"
+    assert flags == ["--draft-arch", "mla", "--no-norm-before-fc"]
+    # q_lora_rank null (a plain q_proj): 0, as models/draft.mla_dims resolves it
+    assert "q_lora 0," in dq.mla_row({**kimi_latent, "q_lora_rank": None})[0]
+    # the ablation rows: the MLA row swapped in its place, every other row and the order unchanged
+    rows = dq.ablation_rows(kimi_latent)
+    assert list(rows) == [name if n == dq.MLA_ROW else n for n in dq.ABLATIONS]
+    assert all(rows[n] == x for n, x in dq.ABLATIONS.items() if n != dq.MLA_ROW)
+    assert dq.ablation_rows(smollm2) == dq.ABLATIONS
+
+
+def test_only_the_data_sets_a_run_trains_on_are_regenerated_and_extracted():
+    dq = _load("draft_quality")
+    assert dq.needed_datasets(dq.HEADLINE, None, False, False) == ["given", "regenerated", "regenerated_t1"]
+    assert dq.needed_datasets(["project/regenerated_t1"], "regenerated_t1", False, False) == ["regenerated_t1"]
+    assert dq.needed_datasets(["speculators/given"], "regenerated", False, False) == ["given", "regenerated"]
+    assert dq.needed_datasets(["project/given"], None, True, True) == ["given", "regenerated", "regenerated_t1"]
+
+
+def test_only_ablations_takes_a_whole_name_alone_and_a_prefix_for_all_it_begins():
+    dq = _load("draft_quality")
+    rows = {**dq.ABLATIONS, dq.SPECULATORS_PEAGLE_ROW: []}
+    parallel = [n for n in rows if n.startswith("parallel drafting")]
+    assert len(parallel) == 3  # the row and its two variants
+    assert list(dq.only_ablations(rows, ["parallel drafting"])) == parallel
+    assert list(dq.only_ablations(rows, [dq.PARALLEL_ROW, "MLA draft"])) == [dq.MLA_ROW, dq.PARALLEL_ROW]
+    assert dq.only_ablations(rows, None) == rows
