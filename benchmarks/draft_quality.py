@@ -321,8 +321,14 @@ def speculators_run(
 ) -> Path:
     """speculators' own Trainer and defaults (speculators_baseline.py) for `steps`, in a process of its own
     (its trainer installs signal handlers, which only the main thread may do); cached like the others.
-    `peagle_depths`: its P-EAGLE draft with that many depths in place of EAGLE-3."""
+    `peagle_depths`: its P-EAGLE draft with that many depths in place of EAGLE-3. A cached run of other
+    steps is refused (its trainer cannot resume one), never reused."""
     out = root / "runs" / run
+    if (out / "checkpoints").exists() and not finished(out, steps):
+        raise SystemExit(
+            f"{out}: speculators' run there holds no complete step-{steps} checkpoint (trained for other "
+            "--epochs or --num-train); remove that folder or use another --work-dir"
+        )
     if not (out / "checkpoints").exists():
         code = (
             "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "

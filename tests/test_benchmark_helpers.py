@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +64,20 @@ def test_a_run_is_cached_only_when_its_last_checkpoint_is_complete(tmp_path):
     mark_complete(ckpts / "step_000072")
     assert dq.finished(tmp_path, 72)
     assert not dq.finished(tmp_path, 80)  # a longer run resumes
+
+
+def test_a_cached_speculators_run_of_other_steps_is_refused_not_reused(tmp_path):
+    dq = _load("draft_quality")
+    from eagle3_pipeline.core.storage import mark_complete
+
+    run = tmp_path / "runs" / "speculators"
+    (run / "checkpoints" / "step_000048").mkdir(parents=True)
+    mark_complete(run / "checkpoints" / "step_000048")
+    log = tmp_path / "log"
+    assert dq.speculators_run(tmp_path, "speculators", 48, log, 1) == run  # the same steps: cached
+    with pytest.raises(SystemExit, match=r"speculators.*no complete step-288 checkpoint"):
+        dq.speculators_run(tmp_path, "speculators", 288, log, 1)
+    assert not log.exists()  # nothing was started
 
 
 def _run_dir(tmp_path: Path, name: str, spec) -> Path:
