@@ -14,13 +14,15 @@ REFERENCE = REPO.parent / "shared" / "reference" / "aq-medai-kimi-k2-eagle3.conf
 
 
 def kimi_spec():
-    """The draft configs/kimi_k25.toml trains over Kimi-K2.5 (hidden 7168, vocab 163840, eps 1e-5)."""
+    """The llama draft configs/kimi_k25.toml names as its alternative, over Kimi-K2.5 (hidden 7168, vocab
+    163840, eps 1e-5): the public AQ-MedAI draft's layer (its MLA default: tests/test_mla_draft.py)."""
     import tomllib
 
     kimi = tomllib.loads((REPO / "configs" / "kimi_k25.toml").read_text())
     aux = tuple(kimi["extract"]["aux_layer_ids"])
     draft_vocab = kimi["vocab"]["draft_vocab_size"]
-    return draft_spec(7168, 163840, draft_vocab, aux, rms_norm_eps=1e-5, **kimi["train"])
+    train = {**kimi["train"], "draft_arch": "llama", "norm_before_fc": True}
+    return draft_spec(7168, 163840, draft_vocab, aux, rms_norm_eps=1e-5, **train)
 
 
 def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():

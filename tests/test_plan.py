@@ -11,6 +11,9 @@ import pytest
 from conftest import CONVERSATIONS, REPO, draft_spec, run_script, saved_for_backward_vs_plan, script
 
 KIMI = REPO / "configs" / "kimi_k25.toml"
+# kimi_k25.toml's llama alternative (its default is the MLA draft, tests/test_mla_draft.py): the EAGLE-3
+# Llama layer of the public Kimi drafts, whose figures these tests compute by hand
+LLAMA = ("--draft-arch", "llama", "--norm-before-fc")
 H, V, VD = 7168, 163840, 32000  # Kimi-K2.5 hidden, vocab (contract section 6); draft vocab (kimi_k25.toml)
 
 
@@ -37,14 +40,18 @@ def kimi_config_only(tmp_path):
 # and the draft lm_head 32000 x 7168 (trained by default).
 TRAINABLE = 7168 * 21504 + 3 * 8192 * 14336 + 7168 * 8192 + 3 * 18432 * 7168 + 4 * 7168 + 3 * 7168 + VD * H
 FROZEN = V * H + VD * H + H  # embed_tokens, verifier_lm_head, verifier_norm
+# kimi_k25.toml's MLA draft by hand: Kimi-K2.5's MLA dims over the 2 x hidden input (q_a, q_a_layernorm, q_b,
+# kv_a, kv_a_layernorm, kv_b, o), no input_norm (norm_before_fc off); fc, mlp, 4 norms, lm_head as above
+MLA_ATTENTION = 1536 * 14336 + 1536 + 64 * 192 * 1536 + 576 * 14336 + 512 + 64 * 256 * 512 + H * 64 * 128
+MLA_TRAINABLE = H * 3 * H + MLA_ATTENTION + 3 * 18432 * H + 4 * H + VD * H
 
 
 def kimi_train_plan(verifier, tmp_path):
-    """04_train.py --plan for kimi_k25.toml at the public Kimi drafts' scale (600k rows x 2,000 tokens,
+    """04_train.py --plan for kimi_k25.toml's llama draft at the public Kimi drafts' scale (600k rows x 2,000 tokens,
     200k tokens/s): its stdout and the plan JSON."""
     out = tmp_path / "plan.json"
     proc = run_script(
-        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier),
+        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier), *LLAMA,
         "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second", "200000",
         "--plan-json", str(out),
     )  # fmt: skip
@@ -162,7 +169,7 @@ def test_extract_plan_runs_from_config_json_alone(kimi_config_only, tmp_path):
     assert p["storage_dtype"] == "float8_e4m3fn"
     assert p["disk"]["float8_e4m3fn"] == 10 * 3000 * (28_672 + 5) + 10 * 16
     assert "float8_e4m3fn 28,672 B/token + 16 B/sample" in proc.stdout
-    assert p["draft"]["trainable_parameters"] == TRAINABLE
+    assert p["draft"]["trainable_parameters"] == MLA_TRAINABLE  # the config's [train] draft
 
 
 def test_extract_plan_measures_the_tokens_the_extraction_writes(tiny_verifier, tiny_shards, tmp_path):
@@ -305,7 +312,7 @@ def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_s
 
 
 def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_only, tmp_path):
-    """The serving cost model (sizing/speedup.py) for kimi_k25.toml's draft beside Kimi-K2.5 at TP 8, by
+    """The serving cost model (sizing/speedup.py) for kimi_k25.toml's llama draft beside Kimi-K2.5 at TP 8, by
     hand: a decode step reads the bf16 dense weights, the INT4 routed experts its tokens touch (uniform
     routing) and the KV cache, at 80% of the HBM bandwidth, plus 40 us per layer; break-even AL and the
     speedup at --plan-al 2.88 follow; a config without the MoE sizes says what it lacks."""
@@ -313,7 +320,7 @@ def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_on
 
     out = tmp_path / "plan.json"
     proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
-                      str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2",
+                      str(kimi_config_only), *LLAMA, "--plan-rows", "10", "--plan-tokens-per-row", "2",
                       "--plan-al", "2.88", "--plan-json", str(out))  # fmt: skip
     r = json.loads(out.read_text())["speedup"]
     assert (r["k"], r["gpus"], r["context"], r["parallel"]) == (3, 8, 2048, False)
@@ -344,7 +351,7 @@ def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_on
     # a parallel draft's plan counts one draft forward per step
     proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
                       str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2",
-                      "--parallel-drafting", "--plan-json", str(out))  # fmt: skip
+                      *LLAMA, "--parallel-drafting", "--plan-json", str(out))  # fmt: skip
     rp = json.loads(out.read_text())["speedup"]
     assert rp["parallel"] and "k=3 (parallel drafting, 1 draft forward)" in proc.stdout
     assert rp["by_gpu"]["H200"]["16"]["draft_s"] < r["by_gpu"]["H200"]["16"]["draft_s"]
