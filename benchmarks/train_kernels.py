@@ -2,6 +2,7 @@
 
   .venv/bin/python benchmarks/train_kernels.py --quick                 # CPU, a small draft, ~1 minute
   python3 benchmarks/train_kernels.py --kimi --device cuda --out k.json  # one GPU (scripts/gpu_check.sh)
+  python3 benchmarks/train_kernels.py --kimi --arch mla --device cuda     # configs/kimi_k25.toml's MLA draft
 
 Every row is one optimizer step of this project (train_metrics.forward, backward, clip, AdamW from
 train.build_optimizer) on the same packed batch of random hidden states (documents of ~doc_tokens
@@ -26,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
 from eagle3_pipeline.core import storage  # noqa: E402
-from eagle3_pipeline.models.draft import DraftSpec, build_draft, trainable_names  # noqa: E402
+from eagle3_pipeline.models.draft import MLA_DIMS, DraftSpec, build_draft, trainable_names  # noqa: E402
+from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,27 @@ class Shape:
     batch_tokens: int
     ttt_steps: int
     doc_tokens: int  # mean document length packed into a row
+    # --arch mla: the MLA layer's dims (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    # v_head_dim); None: the llama layer (kv_heads / head_dim)
+    mla: tuple[int, int, int, int, int] | None = None
 
 
-KIMI = Shape(7168, 64, 64, 128, 18432, 32000, 163840, 3, 16384, 3, 2048)  # configs/kimi_k25.toml
+KIMI = Shape(7168, 64, 64, 128, 18432, 32000, 163840, 3, 16384, 3, 2048)  # kimi_k25.toml's llama layer
 QUICK = Shape(256, 4, 4, 64, 512, 2000, 4000, 3, 1024, 3, 256)
 TINY = Shape(64, 2, 2, 32, 128, 64, 128, 3, 256, 2, 64)  # tests
+MLA_OF = {  # each size's MLA draft: Kimi-K2.5's own dims (kimi_k25.toml's draft), the others scaled down
+    KIMI: tuple(KIMI_K25_TEXT_CONFIG[k] for k in MLA_DIMS),
+    QUICK: (128, 64, 32, 32, 64),
+    TINY: (32, 32, 16, 16, 16),
+}
+
+
+def with_arch(s: Shape, arch: str) -> Shape:
+    return replace(s, mla=MLA_OF[s]) if arch == "mla" else s
 
 
 def spec_of(s: Shape) -> DraftSpec:
+    mla = {} if s.mla is None else {"draft_arch": "mla", **dict(zip(MLA_DIMS, s.mla))}
     return DraftSpec(
         hidden_size=s.hidden,
         num_attention_heads=s.heads,
@@ -73,6 +88,7 @@ def spec_of(s: Shape) -> DraftSpec:
         draft_vocab_size=s.draft_vocab,
         aux_layer_ids=tuple(range(2, 2 + s.aux_layers)),
         norm_before_residual=False,
+        **mla,
     )
 
 
@@ -110,12 +126,31 @@ def attended_pairs(lengths: list[int], ttt_steps: int) -> int:
     return sum(causal + s * t for s in range(ttt_steps))
 
 
+def layer_weights(s: Shape) -> int:
+    """The decoder layer's matmul weights (one multiply-add each per token); its attention reads
+    cat(embeds, hidden), 2 x hidden wide."""
+    mlp = 3 * s.hidden * s.intermediate
+    if s.mla is None:  # q/k/v, o
+        return 2 * s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden + mlp
+    q_lora, kv_lora, nope, rope, v = s.mla  # q_a, q_b; kv_a (latent + shared rope key), kv_b; o over v
+    q = 2 * s.hidden * q_lora + q_lora * s.heads * (nope + rope)
+    kv = 2 * s.hidden * (kv_lora + rope) + kv_lora * s.heads * (nope + v)
+    return q + kv + s.heads * v * s.hidden + mlp
+
+
+def pair_flops(s: Shape) -> int:
+    """Attention FLOPs per attended (query, key) pair: QK^T and PV over every head."""
+    if s.mla is None:
+        return 4 * s.heads * s.head_dim
+    _, _, nope, rope, v = s.mla
+    return 2 * s.heads * (nope + rope + v)
+
+
 def step_flops(s: Shape, lengths: list[int]) -> float:
     """Model FLOPs of one training step (fwd + bwd) on a packed row (see the module docstring)."""
     t = sum(lengths)
-    qkv = 2 * s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim  # q/k/v read cat(embeds, hidden)
-    layer = 2 * t * (qkv + s.heads * s.head_dim * s.hidden + 3 * s.hidden * s.intermediate)
-    attention = 4 * s.heads * s.head_dim * attended_pairs(lengths, s.ttt_steps)
+    layer = 2 * t * layer_weights(s)
+    attention = pair_flops(s) * attended_pairs(lengths, s.ttt_steps)
     fc = 2 * t * s.aux_layers * s.hidden * s.hidden
     lm_head = 2 * t * s.hidden * s.draft_vocab
     trained = fc + s.ttt_steps * layer + attention
@@ -250,19 +285,21 @@ def _patched(obj: Any, name: str, value: Any):
 BASELINE = "sdpa+eager"
 
 
-def rows_for(device: torch.device) -> list[tuple[str, kernels.Kernels | None, bool]]:
+def rows_for(device: torch.device, mla: bool = False) -> list[tuple[str, kernels.Kernels | None, bool]]:
     """(label, kernels or None for speculators' Trainer, full train step?) measured on this device,
-    the most wanted first (a device run has minutes)."""
+    the most wanted first (a device run has minutes). The MLA draft has no speculators row: speculators
+    trains no MLA draft."""
     K = kernels.Kernels
     base = K("sdpa", "eager", False)
     if device.type == "cuda":
-        return [
+        rows = [
             ("flex+fused+compile", K("flex", "fused", True, kernels.FLEX_BLOCK), True),
             (BASELINE, base, True),
             ("speculators Trainer (flex+fused, compiled)", None, True),
             ("sdpa+fused", K("sdpa", "fused", False), True),
         ]
-    return [
+        return [r for r in rows if not (mla and r[1] is None)]
+    rows = [
         (BASELINE, base, True),
         ("eager+eager", K("eager", "eager", False), True),
         ("sdpa+eager+compile", K("sdpa", "eager", True, kernels.FLEX_BLOCK), True),
@@ -270,6 +307,7 @@ def rows_for(device: torch.device) -> list[tuple[str, kernels.Kernels | None, bo
         ("flex fwd only (CPU eager flex)", K("flex", "eager", False, kernels.FLEX_BLOCK), False),
         ("speculators Trainer (sdpa+eager)", None, True),
     ]
+    return [r for r in rows if not (mla and r[1] is None)]
 
 
 def run(
@@ -291,7 +329,7 @@ def run(
         "machine": _machine(device),
         "rows": [],
     }
-    for label, k, train in rows_for(device):
+    for label, k, train in rows_for(device, s.mla is not None):
         if only and label not in only:
             continue
         if device.type == "cuda":
@@ -375,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="a small draft (default on CPU)")
     size.add_argument("--kimi", action="store_true", help="the Kimi-K2.5 draft at batch_tokens 16384, TTT 3")
     size.add_argument("--tiny", action="store_true", help="a toy size for the tests")
+    p.add_argument("--arch", choices=["llama", "mla"], default="llama",
+                   help="the draft's layer ([train] draft_arch); mla at --kimi: Kimi-K2.5's own MLA dims")  # fmt: skip
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile, autotune)")
@@ -386,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    shape = KIMI if a.kimi else TINY if a.tiny else QUICK
+    shape = with_arch(KIMI if a.kimi else TINY if a.tiny else QUICK, a.arch)
     print(
         f"shape {asdict(shape)} | device {device} | threads {torch.get_num_threads()}"
         f" | torch {torch.__version__}"

@@ -10,8 +10,9 @@
 # rest (its log tail goes in the JSON):
 #   1. the tiny pipeline, bf16 on CUDA, end to end (scripts/run_tiny.sh, default kernels: auto)
 #   2. the Kimi-sized draft step: flex+fused+compile vs sdpa+eager vs speculators' own Trainer
-#      (benchmarks/train_kernels.py --kimi --device cuda)
-#   3. torchrun --nproc-per-node 1 of 04_train on the tiny run's data (kernels auto; compile caches warm)
+#      (benchmarks/train_kernels.py --kimi --device cuda), the llama layer speculators also trains
+#   3. the same step for configs/kimi_k25.toml's MLA draft (--arch mla): flex+fused+compile, sdpa+eager
+#   4. torchrun --nproc-per-node 1 of 04_train on the tiny run's data (kernels auto; compile caches warm)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/gpu_check}}
@@ -19,7 +20,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 ROOT=${ROOT:-/tmp/gpu_check_runs}
-T_TINY=${T_TINY:-190} T_KIMI=${T_KIMI:-270} T_DDP=${T_DDP:-80}  # seconds; sum + installs < 600
+T_TINY=${T_TINY:-170} T_KIMI=${T_KIMI:-210} T_MLA=${T_MLA:-100} T_DDP=${T_DDP:-60}  # seconds; sum + installs < 600
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 START=$(date +%s)
 
@@ -73,7 +74,11 @@ section tiny "$T_TINY" env PYTHON="$PY" bash scripts/run_tiny.sh "$ROOT/tiny.tom
 section kimi "$T_KIMI" "$PY" benchmarks/train_kernels.py --kimi --device cuda --warmup 2 --steps 3 \
   --out "$OUT/kimi.json"
 
-# --- 3. torchrun with one process (DDP wrapper, NCCL) on the tiny run's data -------------------------
+# --- 3. the MLA draft kimi_k25.toml trains, the same step on one GPU ---------------------------------
+section kimi_mla "$T_MLA" "$PY" benchmarks/train_kernels.py --kimi --arch mla --device cuda --warmup 2 \
+  --steps 3 --only flex+fused+compile sdpa+eager --out "$OUT/kimi_mla.json"
+
+# --- 4. torchrun with one process (DDP wrapper, NCCL) on the tiny run's data -------------------------
 section ddp "$T_DDP" "$PY" -m torch.distributed.run --nproc-per-node 1 04_train.py --config "$ROOT/tiny.toml" \
   --out-dir "$ROOT/tiny/train_ddp" --max-steps 10 --eval-every 10 --overwrite
 
@@ -90,7 +95,7 @@ def tail(name, n=3000):
     p = out / f"{name}.log"
     return p.read_text(errors="replace")[-n:] if p.exists() else None
 res = {"gpu": (out / "gpu.txt").read_text().strip(), "import": tail("import", 500), "sections": {}}
-for name in ("tiny", "kimi", "ddp"):
+for name in ("tiny", "kimi", "kimi_mla", "ddp"):
     res["sections"][name] = {**(read(out / f"{name}.rc.json") or {}), "log_tail": tail(name)}
 log = tail("tiny", 10**7) or ""
 done = re.findall(r"done .*? acceptance_length ([\d.]+) \(untrained ([\d.]+)\)", log)
@@ -110,6 +115,7 @@ res["ddp_nproc1"] = {
     "meta_kernels": (read(root / "tiny" / "train_ddp" / "meta.json") or {}).get("kernels"),
 }
 res["kimi"] = read(out / "kimi.json")
+res["kimi_mla"] = read(out / "kimi_mla.json")
 res["wall_s"] = int(time.time()) - start
 (out / "gpu_check.json").write_text(json.dumps(res, indent=2) + "\n")
 print(f"wrote {out / 'gpu_check.json'}")

@@ -280,20 +280,27 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tiny_run, tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "t").exists()
 
 
-def test_mfu_counts_exactly_the_pairs_speculators_mask_allows():
+def train_kernels_bench():
+    """benchmarks/train_kernels.py as a module."""
     import importlib.util
 
     from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("train_kernels", REPO / "benchmarks" / "train_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["train_kernels"] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_mfu_counts_exactly_the_pairs_speculators_mask_allows():
     from speculators.models.eagle3.attention import (
         create_combined_mask_mod,
         extend_dense_mask_for_draft_tokens,
     )
     from torch.nn.attention.flex_attention import create_mask
 
-    spec = importlib.util.spec_from_file_location("train_kernels", REPO / "benchmarks" / "train_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["train_kernels"] = bench  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = train_kernels_bench()
     lengths = bench.doc_lengths(bench.TINY)
     assert sum(lengths) == bench.TINY.batch_tokens and len(lengths) > 2
     t = sum(lengths)
@@ -304,6 +311,25 @@ def test_mfu_counts_exactly_the_pairs_speculators_mask_allows():
         allowed += int(mask.sum())
         mask = extend_dense_mask_for_draft_tokens(mask, t)
     assert bench.attended_pairs(lengths, TTT) == allowed
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_mfu_counts_every_matmul_weight_of_the_draft_layer_it_times(arch):
+    """The FLOP count's layer weights are the built draft's layer-0 matrices, for either layer kind (Kimi's
+    MLA dims and the tiny ones), and the MLA row is timed on an MLA draft."""
+    from eagle3_pipeline.models.draft import build_draft
+
+    bench = train_kernels_bench()
+    for size in (bench.TINY, bench.KIMI):
+        shape = bench.with_arch(size, arch)
+        with torch.device("meta"):
+            model = build_draft(bench.spec_of(shape))
+        layer = dict(model.layers[0].named_parameters())
+        assert bench.layer_weights(shape) == sum(p.numel() for p in layer.values() if p.dim() == 2)
+        assert ("self_attn.kv_a_proj_with_mqa.weight" in layer) == (arch == "mla")
+    if arch == "mla":  # Kimi-K2.5's own dims: 64 heads x (nope 128 + rope 64 + v 128) x 2 per pair
+        assert bench.with_arch(bench.KIMI, "mla").mla == (1536, 512, 128, 64, 128)
+        assert bench.pair_flops(bench.with_arch(bench.KIMI, "mla")) == 2 * 64 * (128 + 64 + 128)
 
 
 def test_train_kernels_benchmark_writes_its_rows_and_the_speculators_ratio(tmp_path):
@@ -323,6 +349,15 @@ def test_train_kernels_benchmark_writes_its_rows_and_the_speculators_ratio(tmp_p
     assert res["project_vs_speculators_step_ratio"] == pytest.approx(ratio)
     assert res["machine"]["speculators"] == "0.9.0" and res["machine"]["threads"] >= 1
     assert res["step_flops"] > 0 and res["attention_extra_gib"]["sdpa"] > res["attention_extra_gib"]["flex"]
+    # the MLA draft (--arch mla): its own rows, no speculators row (speculators trains no MLA draft)
+    run_script("benchmarks/train_kernels.py", "--tiny", "--arch", "mla", "--warmup", "0", "--steps", "1",
+               "--out", str(out), timeout=600)  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["shape"]["mla"] == [32, 32, 16, 16, 16]
+    rows = train_kernels_bench().rows_for(torch.device("cpu"))
+    assert [r["row"] for r in res["rows"]] == [label for label, k, _ in rows if k is not None]
+    assert all("error" not in r and r["step_s"] > 0 for r in res["rows"])
+    assert "project_vs_speculators_step_ratio" not in res
 
 
 def test_the_ce_loss_is_cross_entropy_on_the_verifiers_argmax_over_the_supervised_positions():
