@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--kimi", action="store_true", help="the Kimi-K2.5 draft at batch_tokens 16384, TTT 3")
     size.add_argument("--tiny", action="store_true", help="a toy size for the tests")
     p.add_argument("--arch", choices=["llama", "mla"], default="llama",
-                   help="the draft's layer ([train] draft_arch); mla at --kimi: Kimi-K2.5's own MLA dims")  # fmt: skip
+                   help="the draft's layer ([train] draft_arch); mla at --kimi: Kimi-K2.5's MLA dims")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile, autotune)")

@@ -195,3 +195,68 @@ def test_regenerate_overwrite_interrupted_puts_the_old_output_back(tiny_verifier
     run_script(*args, "--overwrite", "--max-new-tokens", "5")
     assert _tree_hashes(tmp_path / "regen") != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["regen"]
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has it now
+
+
+def test_an_overwrite_killed_outright_is_refused_until_its_old_run_is_put_back(
+    finished, tiny_shards, tmp_path
+):
+    """What RunDir leaves when --overwrite is SIGKILLed before the new run's first checkpoint: the old run
+    in `.run.old-<pid>`, the new folder holding only its meta.json. The next run (any flags) refuses,
+    naming the old run and both fixes, and changes nothing; put back, the old run is whole (a skip)."""
+    run, aside = tmp_path / "run", tmp_path / f".run.old-{_dead_pid()}"
+    shutil.copytree(finished, aside)
+    run.mkdir()
+    shutil.copy(finished / "meta.json", run / "meta.json")
+    before = {p.name: _tree_hashes(p) for p in (run, aside)}
+    for extra in ([], ["--overwrite"]):
+        proc = run_script(*_train_args(tiny_shards, run, *extra), check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"{aside}: the output an --overwrite moved aside before it was killed" in proc.stderr
+        assert f"Put it back: rm -rf {run} && mv {aside} {run}; or discard it: rm -rf {aside}" in proc.stderr
+        assert {p.name: _tree_hashes(p) for p in (run, aside)} == before
+    shutil.rmtree(run)
+    aside.rename(run)
+    proc = run_script(*_train_args(tiny_shards, run))
+    assert "already reached step 2 of 2" in proc.stderr and _tree_hashes(run) == before[aside.name]
+
+
+def test_a_leftover_old_run_beside_a_finished_replacement_is_named_not_refused(
+    finished, tiny_shards, tmp_path
+):
+    """Killed after the new run's first checkpoint, before the old run was deleted: the new run goes on
+    (here: finished, a skip) and the log names the leftover and its rm; a live process's aside is its own."""
+    import os
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    stale, live = tmp_path / f".run.old-{_dead_pid()}", tmp_path / f".run.old-{os.getpid()}"
+    stale.mkdir()
+    live.mkdir()
+    proc = run_script(*_train_args(tiny_shards, run))
+    assert "already reached step 2 of 2" in proc.stderr
+    assert f"{stale}: the output an interrupted --overwrite replaced, no longer needed" in proc.stderr
+    assert f"rm -rf {stale}" in proc.stderr and str(live) not in proc.stderr
+    assert stale.is_dir() and live.is_dir()  # named, never removed by the stage
+
+
+def test_stage_00_refuses_too_while_a_killed_overwrite_left_its_old_output_aside(tiny_verifier, tmp_path):
+    from conftest import CONVERSATIONS
+
+    out, aside = tmp_path / "regen", tmp_path / f".regen.old-{_dead_pid()}"
+    aside.mkdir()
+    (aside / "COMPLETE").write_text("")
+    out.mkdir()
+    proc = run_script(script("00_regenerate.py"), "--verifier-path", str(tiny_verifier), "--data-path",
+                      str(CONVERSATIONS), "--out-dir", str(out), "--engine", "hf", check=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"Put it back: rm -rf {out} && mv {aside} {out}" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [] and (aside / "COMPLETE").exists()

@@ -47,13 +47,13 @@ MLA_TRAINABLE = H * 3 * H + MLA_ATTENTION + 3 * 18432 * H + 4 * H + VD * H
 
 
 def kimi_train_plan(verifier, tmp_path):
-    """04_train.py --plan for kimi_k25.toml's llama draft at the public Kimi drafts' scale (600k rows x 2,000 tokens,
-    200k tokens/s): its stdout and the plan JSON."""
+    """04_train.py --plan for kimi_k25.toml's llama draft at the public Kimi drafts' scale (600k rows x
+    2,000 tokens, 200k tokens/s): its stdout and the plan JSON."""
     out = tmp_path / "plan.json"
     proc = run_script(
-        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier), *LLAMA,
-        "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second", "200000",
-        "--plan-json", str(out),
+        script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path", str(verifier),
+        *LLAMA, "--plan-rows", "600000", "--plan-tokens-per-row", "2000", "--plan-tokens-per-second",
+        "200000", "--plan-json", str(out),
     )  # fmt: skip
     return proc, json.loads(out.read_text())
 

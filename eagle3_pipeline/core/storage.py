@@ -260,6 +260,42 @@ def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
     return True
 
 
+def aside_dir(out_dir: Path) -> Path:
+    """Where --overwrite keeps the old output while this process makes the new one: a hidden sibling
+    `.<name>.old-<pid>` (stage 00's `overwriting`, stage 04's run folder)."""
+    return out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def check_stale_asides(out_dir: Path, replaced: bool) -> None:
+    """The old output an --overwrite killed outright (SIGKILL, a lost node) left in its hidden sibling,
+    its process gone: refused while `out_dir` holds no finished replacement, with both ways out (put it
+    back, or discard it); named in a warning once the replacement is finished (`replaced`). Reads only."""
+    for aside in sorted(out_dir.parent.glob(f".{out_dir.name}.old-*")):
+        pid = aside.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        if replaced:
+            logging.getLogger("eagle3.stage").warning(
+                "%s: the output an interrupted --overwrite replaced, no longer needed (%s is finished); "
+                "delete it: rm -rf %s", aside, out_dir, aside)  # fmt: skip
+            continue
+        raise UserError(
+            f"{aside}: the output an --overwrite moved aside before it was killed (pid {pid}); {out_dir} "
+            f"holds nothing finished to replace it. Put it back: rm -rf {out_dir} && mv {aside} {out_dir}; "
+            f"or discard it: rm -rf {aside}"
+        )
+
+
 @contextlib.contextmanager
 def overwriting(out_dir: Path, overwrite: bool) -> Iterator[None]:
     """--overwrite of an output built in place (stage 00's parts): the old one moved to a hidden sibling
@@ -268,7 +304,7 @@ def overwriting(out_dir: Path, overwrite: bool) -> Iterator[None]:
     if not (overwrite and out_dir.exists()):
         yield
         return
-    aside = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    aside = aside_dir(out_dir)
     os.replace(out_dir, aside)
     logging.getLogger("eagle3.stage").info("--overwrite: the old %s is at %s until the new one is complete",
                                            out_dir, aside)  # fmt: skip

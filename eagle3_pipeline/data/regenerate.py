@@ -223,6 +223,7 @@ def run(cfg: RegenerateConfig) -> int:
     data_path, verifier_path, out_dir = Path(cfg.data_path), Path(cfg.verifier_path), Path(cfg.out_dir)
     if not data_path.exists():
         raise UserError(f"{data_path}: data not found (--data-path)")
+    storage.check_stale_asides(out_dir, storage.is_complete(out_dir))
     if storage.is_complete(out_dir) and not cfg.overwrite:
         storage.log_skip(out_dir)
         return 0

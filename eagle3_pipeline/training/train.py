@@ -172,7 +172,8 @@ class RunDir:
     --overwrite moves the old run to a hidden sibling `.<name>.old-<pid>`, deleted when the new run has
     saved its first complete checkpoint (`kept`); a run that ends before that with an error or an interrupt
     puts the old run back and leaves no folder it created (`close`; after a SIGKILL the old run is still
-    in its hidden sibling, named in the log). Rank 0 only."""
+    in its hidden sibling, named in the log, and the next run refuses to start until it is put back or
+    discarded: storage.check_stale_asides). Rank 0 only."""
 
     def __init__(self, out_dir: Path, overwrite: bool, rank: int):
         self.out_dir, self.overwrite, self.rank0 = out_dir, overwrite, rank == 0
@@ -183,7 +184,7 @@ class RunDir:
         if not self.rank0:
             return
         if self.overwrite and self.out_dir.exists():
-            self.aside = self.out_dir.with_name(f".{self.out_dir.name}.old-{os.getpid()}")
+            self.aside = storage.aside_dir(self.out_dir)
             os.replace(self.out_dir, self.aside)
             log.info("--overwrite: the old run is at %s until the new run's first checkpoint", self.aside)
         self.created = not self.out_dir.exists()
@@ -296,6 +297,9 @@ def run(cfg: TrainConfig) -> int:
     kern = resolve_kernels(cfg, device)
     run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
     resume_from = check_resume(cfg, run_meta)
+    if dist.rank == 0:
+        out_dir = Path(cfg.out_dir)
+        storage.check_stale_asides(out_dir, checkpoint.latest(checkpoint.root_of(out_dir)) is not None)
     model, names = build_model(cfg, spec, data, verifier_path, device, kern)
     log.info("kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s", kern.attn_impl,
              cfg.loss, kern.loss_impl, "on" if kern.compile else "off",
