@@ -500,18 +500,32 @@ def al_difference_standard_error(a: list, b: list) -> float:
     cluster, the pair's dependence kept): the delta method on the two ratio estimators of
     al_standard_error, sqrt(n/(n-1) sum_r e_r^2) with e_r = (a_r - rate_a d_r)/D_a - (b_r - rate_b d'_r)/D_b.
     `a`, `b`: (drafts, accepted per position) per request, in the same request order (`per_request`)."""
-    n = len(a)
-    if n != len(b) or n < 2:
-        raise ValueError(f"paired requests needed, got {len(a)} and {len(b)}")
-
-    def influence(rows: list) -> list[float]:
-        d = sum(r[0] for r in rows)
-        acc = [sum(r[1]) for r in rows]
-        rate = sum(acc) / d
-        return [(x - rate * r[0]) / d for x, r in zip(acc, rows)]
-
-    e = [x - y for x, y in zip(influence(a), influence(b))]
+    n = _paired(a, b)
+    e = [x - y for x, y in zip(_al_influence(a), _al_influence(b))]
     return (n / (n - 1) * sum(v * v for v in e)) ** 0.5
+
+
+def al_ratio_standard_error(a: list, b: list) -> float:
+    """Standard error of AL(a) / AL(b) on the same requests, paired as al_difference_standard_error:
+    the delta method, e_r = (i_a,r - R i_b,r) / AL(b) with R the ratio and i the requests' influences."""
+    n = _paired(a, b)
+    al_a, al_b = (1 + sum(sum(r[1]) for r in x) / sum(r[0] for r in x) for x in (a, b))
+    e = [(x - al_a / al_b * y) / al_b for x, y in zip(_al_influence(a), _al_influence(b))]
+    return (n / (n - 1) * sum(v * v for v in e)) ** 0.5
+
+
+def _paired(a: list, b: list) -> int:
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"paired requests needed, got {len(a)} and {len(b)}")
+    return len(a)
+
+
+def _al_influence(rows: list) -> list[float]:
+    """Each request's influence on the AL ratio estimator: (accepted - rate x drafts) / all drafts."""
+    d = sum(r[0] for r in rows)
+    acc = [sum(r[1]) for r in rows]
+    rate = sum(acc) / d
+    return [(x - rate * r[0]) / d for x, r in zip(acc, rows)]
 
 
 def serve_in_vllm(
@@ -865,10 +879,12 @@ def _print_table(report: dict) -> None:
             if "_prob/" in key:  # theirs also as vLLM serves by default: argmax drafting
                 argmax = _al(by[theirs], eng, key.replace("_prob", ""))
                 against.append((what + " (theirs drafted by argmax)", argmax))
+            pair = [by[x].get("sim", {}).get(key, {}).get("per_request") for x in (ours, theirs)]
+            se = "" if None in pair else f" ± {al_ratio_standard_error(*pair):.3f} (paired, sim)"
             for label, b in against:
                 if p is not None and b is not None:
-                    print(f"{key} | {label}: AL ratio {p / b:.3f}, rejected per step ratio "
-                          f"{(k + 1 - p) / (k + 1 - b):.3f} ({eng})")  # fmt: skip
+                    print(f"{key} | {label}: AL ratio {p / b:.3f}{se if label == what else ''}, rejected "
+                          f"per step ratio {(k + 1 - p) / (k + 1 - b):.3f} ({eng})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -156,6 +156,36 @@ def test_paired_al_difference_keeps_what_two_drafts_share_on_the_same_requests()
     assert math.isclose(dq.al_difference_standard_error(a, c), dq.al_standard_error(a))
 
 
+def test_paired_al_ratio_standard_error_is_the_jackknifes_over_requests():
+    """The delta-method SE of AL(a) / AL(b) on the same requests against the jackknife over requests
+    (leave one request out of both drafts), on 300 random requests where a and b share most of their
+    spread; and a ratio of a draft to itself has no error."""
+    dq = _load("draft_quality")
+    g = torch.Generator().manual_seed(0)
+    a, b = [], []
+    for _ in range(300):
+        d, shared = int(torch.randint(5, 40, (1,), generator=g)), float(torch.rand(1, generator=g))
+        a.append((d, [int(d * min(1.0, shared + 0.2 * float(torch.rand(1, generator=g)))), 0]))
+        b.append((d, [int(d * shared * 0.8), 0]))
+
+    def al(x):
+        return 1 + sum(r[1][0] for r in x) / sum(r[0] for r in x)
+
+    def ratio(x, y):
+        return al(x) / al(y)
+
+    n = len(a)
+    loo = [ratio(a[:i] + a[i + 1 :], b[:i] + b[i + 1 :]) for i in range(n)]
+    mean = sum(loo) / n
+    jackknife = ((n - 1) / n * sum((v - mean) ** 2 for v in loo)) ** 0.5
+    got = dq.al_ratio_standard_error(a, b)
+    assert 0.95 < got / jackknife < 1.05, (got, jackknife)  # measured 0.999
+    r = ratio(a, b)  # the two drafts' SEs as if independent: what pairing removes
+    unpaired = r * ((dq.al_standard_error(a) / al(a)) ** 2 + (dq.al_standard_error(b) / al(b)) ** 2) ** 0.5
+    assert got < 0.7 * unpaired
+    assert dq.al_ratio_standard_error(a, a) < 1e-12
+
+
 def test_mla_row_takes_an_mla_verifiers_own_dims_and_names_them():
     dq = _load("draft_quality")
     smollm2 = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9}
