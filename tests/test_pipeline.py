@@ -166,8 +166,11 @@ def test_conversations_file_is_the_shipped_ten():
     assert len(read_jsonl(CONVERSATIONS)) == 10
 
 
-def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path):
-    """The same script under torchrun (gloo on CPU here, NCCL on GPUs): rank 0 logs and saves."""
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path, arch):
+    """The same script under torchrun (gloo on CPU here, NCCL on GPUs): rank 0 logs and saves. Both
+    layers: the MLA draft (configs/kimi_k25.toml's) takes its dims from the tiny MLA verifier, and DDP
+    finds every one of its parameters used (else it stops at the first backward)."""
     import os
     import subprocess
     import sys
@@ -191,6 +194,7 @@ def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path):
             "3",
             "--log-every",
             "1",
+            *(["--draft-arch", "mla", "--no-norm-before-fc"] if arch == "mla" else []),
         ],
         env=env,
         capture_output=True,
@@ -201,6 +205,8 @@ def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0] step 3/3" in proc.stderr and "[rank 1] step" not in proc.stderr
     assert (tmp_path / "ddp" / "checkpoints" / "step_000003" / "COMPLETE").exists()
+    meta = json.loads((tmp_path / "ddp" / "meta.json").read_text())
+    assert meta["draft"]["draft_arch"] == arch
 
 
 def test_batched_extraction_equals_one_sequence_at_a_time(tiny_verifier, tmp_path):
