@@ -268,11 +268,11 @@ def aside_dir(out_dir: Path) -> Path:
 
 def _running(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # no signal sent: only whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # it exists, another user's
+        pass
     return True
 
 
