@@ -130,6 +130,9 @@ def test_kimi_speedup_is_the_cost_models_at_the_rows_al_and_k(tmp_path):
     assert math.isclose(got, 2.5 * s["base_s"] / (s["verify_s"] + s["draft_s"]), rel_tol=1e-12)
     assert dc.kimi_speedup("llama", True, 8, 2.5)["H200"][16] > got  # one draft forward instead of 8
     assert dc.kimi_draft("llama", True)[0].parallel and dc.kimi_draft("mla", False)[0].draft_arch == "mla"
+    # each kind as kimi_k25.toml names it, whatever the file's default: llama with its input norm, MLA without
+    llama, mla = dc.kimi_draft("llama", False)[0], dc.kimi_draft("mla", False)[0]
+    assert llama.norm_before_fc and not mla.norm_before_fc
     from conftest import draft_spec
 
     run = _run_dir(tmp_path, "seq", draft_spec(576, 49152, 8192, (2, 15, 27), num_attention_heads=9,
