@@ -243,6 +243,12 @@ def test_a_gloo_error_names_the_lost_rank_and_other_errors_pass(tmp_path):
     two = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:1: Connection closed by peer")
     assert str(lost_rank_error(two, dist, None)).startswith("rank 0 lost ranks 1, 2 on node-1")
     assert lost_rank_error(RuntimeError("CUDA out of memory"), dist, None) is None
+    # a timeout, where it expired and on the pairs gloo closes because of it (no peer address there)
+    pair = Dist(rank=1, world=2, timeout_s=15, hosts=hosts[:2])
+    for text in ("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv operation",
+                 "Application timeout caused pair closure"):
+        named = str(lost_rank_error(RuntimeError(text), pair, None))
+        assert named.startswith("rank 1 lost rank 0 on node-0 (timed out"), named
 
 
 def test_a_run_folder_local_to_each_node_is_refused_at_start_naming_the_rank(tiny_shards, tmp_path):

@@ -123,13 +123,17 @@ def lost_rank_error(error: BaseException, dist: Dist, last_checkpoint: Path | No
     """A collective that failed because another rank is gone (or silent past dist_timeout_s), as one
     line naming the rank(s) lost; None for any other error."""
     text = str(error)
-    if not dist.enabled or not (isinstance(error, torch.distributed.DistError) or "gloo" in text):
+    gloo = "gloo" in text or "pair closure" in text
+    if not dist.enabled or not (isinstance(error, torch.distributed.DistError) or gloo):
         return None
     peer = _PEER.search(text)
     lost = _ranks_at(peer.group(1) if peer else "", dist)
     who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "another rank"
     host = f" on {dist.hosts[lost[0]][0]}" if lost else ""
-    why = "timed out" if "imed out" in text else "connection lost"
+    # gloo's own timeout reads "Timed out waiting ..." where it expires and "Application timeout caused pair
+    # closure" on every other pair it closes (either can surface first)
+    timed_out = any(w in text.lower() for w in ("timed out", "application timeout"))
+    why = "timed out" if timed_out else "connection lost"
     return UserError(
         f"rank {dist.rank} lost {who}{host} ({why}: its process or node is gone, or it did not answer "
         f"within dist_timeout_s {dist.timeout_s:.0f}s); every rank stops; the last complete checkpoint is "

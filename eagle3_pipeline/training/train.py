@@ -329,8 +329,10 @@ def run(cfg: TrainConfig) -> int:
         )
         ddp_model = model
         if dist.enabled:
+            # broadcast_buffers off: the draft's buffers (d2t, t2d, rotary inv_freq) are built equal on every
+            # rank and never change, so rank 0's copy sent before each forward is a collective for nothing
             ddp_model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
+                model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
             )
         loop = TrainLoop(cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data,
                          kern, online, tracker, run_dir.kept)  # fmt: skip
