@@ -145,24 +145,31 @@ def check_spec(spec: DraftSpec) -> None:
         )
 
 
+def layer_fields(spec: DraftSpec) -> dict[str, Any]:
+    """The decoder-layer config fields both draft kinds share (one layer, no biases, plain rope)."""
+    return {
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": 1,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": spec.hidden_act,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+    }
+
+
 def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
+        **layer_fields(spec),
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=1,
-        vocab_size=spec.vocab_size,
-        rms_norm_eps=spec.rms_norm_eps,
-        max_position_embeddings=spec.max_position_embeddings,
-        hidden_act=spec.hidden_act,
-        attention_bias=False,
         mlp_bias=False,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
     )
     cfg._attn_implementation = attn_impl
     if cfg.head_dim != spec.head_dim:  # guard against any library default creeping back in
@@ -185,7 +192,7 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
     extra = {"mask_token_id": spec.mask_token_id, "embed_requires_grad": False} if spec.parallel else {}
     if spec.draft_arch == "mla":
         mla_draft.register()
-        layer_config = mla_draft.mla_decoder_config(spec, attn_impl)
+        layer_config = mla_draft.mla_decoder_config(spec, attn_impl, layer_fields(spec))
     else:
         layer_config = decoder_config(spec, attn_impl)
     config = config_cls(

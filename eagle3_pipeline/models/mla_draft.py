@@ -69,30 +69,21 @@ def register() -> None:
         )
 
 
-def mla_decoder_config(spec: Any, attn_impl: str) -> Any:
-    """A one-layer DeepseekV3Config of the draft spec's MLA dims; layer 0 dense (first_k_dense_replace)."""
+def mla_decoder_config(spec: Any, attn_impl: str, shared: dict[str, Any]) -> Any:
+    """A one-layer DeepseekV3Config of the draft spec's MLA dims; layer 0 dense (first_k_dense_replace).
+    `shared`: the fields every draft layer takes (draft.layer_fields)."""
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
+        **shared,
         num_key_value_heads=spec.num_attention_heads,
         q_lora_rank=spec.q_lora_rank or None,
         kv_lora_rank=spec.kv_lora_rank,
         qk_nope_head_dim=spec.qk_nope_head_dim,
         qk_rope_head_dim=spec.qk_rope_head_dim,
         v_head_dim=spec.v_head_dim,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=1,
         first_k_dense_replace=1,  # layer 0 keeps the dense MLP (vLLM: "Always use MLP (not MoE)")
-        vocab_size=spec.vocab_size,
-        rms_norm_eps=spec.rms_norm_eps,
-        max_position_embeddings=spec.max_position_embeddings,
-        hidden_act=spec.hidden_act,
-        attention_bias=False,
-        tie_word_embeddings=False,
         rope_interleave=True,  # vLLM's deepseek_v2 MLA: get_rope(..., is_neox_style=False)
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
     )
     cfg._attn_implementation = attn_impl
     return cfg
