@@ -109,6 +109,32 @@ def test_transfers_are_hs_connectors_backends():
     assert set(TRANSFERS) == set(HiddenStatesBackend.registry)
 
 
+def test_ranks_sharing_a_cache_folder_stay_inside_one_budget_together(tmp_path):
+    """torchrun: every rank opens the same cache_dir with the whole budget and puts other samples; the
+    folder holds at most the budget (each rank takes its share of the room it found), filled to within a
+    sample per rank; a rank that opens the folder late (a restarted run) still keeps it inside."""
+    from eagle3_pipeline.training.online import StateCache
+
+    g = torch.Generator().manual_seed(0)
+    blob = 50 * (3 * 64 + 64) * 4  # one sample's float32 states, each put below
+    budget, root = 12 * blob, tmp_path / "c"
+
+    def put(cache: StateCache, i: int) -> None:
+        aux, last = torch.randn(50, 3, 64, generator=g), torch.randn(50, 64, generator=g)
+        cache.put(f"s{i}", list(range(50)), aux, last)
+
+    ranks = [StateCache(root, budget, "float32", {"verifier": "x"}, world=3) for _ in range(3)]
+    for i in range(30):  # the ranks take turns, as their micro-batches do
+        put(ranks[i % 3], i)
+    used = sum(p.stat().st_size for p in root.iterdir())
+    assert budget - 3 * blob < used <= budget, (used, budget)  # each with the whole budget: 2.5x over
+    assert [c.stored for c in ranks] == [ranks[0].stored] * 3 and ranks[0].stored >= 3
+    late = StateCache(root, budget, "float32", {"verifier": "x"}, world=3)
+    for i in range(30, 40):
+        put(late, i)
+    assert sum(p.stat().st_size for p in root.iterdir()) <= budget
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
 def test_the_cache_never_exceeds_its_budget_and_returns_what_it_kept(tmp_path, dtype):
     from eagle3_pipeline.training.online import StateCache

@@ -225,7 +225,7 @@ class Servers:
 class StateClient:
     """(aux [T, n_aux, H], last [T, H]) float32 of one sample's token ids, from the servers."""
 
-    def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path):
+    def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path, world: int = 1):
         self.cfg = cfg
         self.layers = layer_ids(meta)
         self.aux_index = torch.tensor([self.layers.index(i) for i in meta["aux_layer_ids"]])
@@ -308,9 +308,11 @@ class StateClient:
 class StateCache:
     """States of samples seen, one safetensors file each (the shard's stored tensors, `dtype`), up to
     `budget` bytes; once full, later samples are not kept (every epoch reads every sample, so any kept
-    subset saves the same share of requests)."""
+    subset saves the same share of requests). Under torchrun every rank shares the folder (a sample one
+    rank kept serves any rank in a later epoch) and adds at most 1/`world` of the room it found free, so
+    the ranks together stay inside the budget without talking to each other."""
 
-    def __init__(self, root: Path, budget: int, dtype: str, contract: dict[str, Any]):
+    def __init__(self, root: Path, budget: int, dtype: str, contract: dict[str, Any], world: int = 1):
         self.root, self.budget, self.dtype = root, budget, dtype
         root.mkdir(parents=True, exist_ok=True)
         meta_path = root / CACHE_META
@@ -322,6 +324,9 @@ class StateCache:
             )
         storage.write_json_atomic(meta_path, want)
         self.used = sum(p.stat().st_size for p in root.iterdir() if p.is_file())  # cache.json counts too
+        # this rank's ceiling: what it found plus its share of the rest (a rank starting later finds more
+        # used, so its share is smaller: the sum of the ranks' additions never passes budget - used)
+        self.ceiling = self.used + max(0, budget - self.used) // world
         self.lock = threading.Lock()
         self.hits = self.stored = 0
 
@@ -351,7 +356,7 @@ class StateCache:
         }
         blob = save({k: v.contiguous() for k, v in tensors.items()})
         with self.lock:
-            if self.used + len(blob) > self.budget:
+            if self.used + len(blob) > self.ceiling:
                 return
             self.used += len(blob)
             self.stored += 1
@@ -361,7 +366,7 @@ class StateCache:
 class OnlineSource:
     """A run's online states: the client, the optional cache, and the loaders of its epochs."""
 
-    def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path):
+    def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path, world: int = 1):
         self.cfg = cfg
         self.client = StateClient(cfg, meta, out_dir)
         self.client.servers.check_one_answers()  # before the cache folder is made
@@ -372,7 +377,7 @@ class OnlineSource:
             contract["verifier"] = {
                 k: meta["verifier"][k] for k in ("path", "num_hidden_layers", "hidden_size")
             }
-            self.cache = StateCache(Path(cfg.cache_dir), int(cfg.cache_gb * 1e9), dtype, contract)
+            self.cache = StateCache(Path(cfg.cache_dir), int(cfg.cache_gb * 1e9), dtype, contract, world)
 
     def sample(self, ref: SampleRef) -> dict[str, torch.Tensor]:
         tokens = load_sample(ref, TOKEN_KEYS)

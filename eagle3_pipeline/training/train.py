@@ -315,7 +315,7 @@ def run(cfg: TrainConfig) -> int:
         log.info("skip: %s already reached step %d of %d (use --overwrite to retrain)", cfg.out_dir,
                  prog.step, plan.total_steps)  # fmt: skip
         return 0
-    online = _open_online(cfg, data)  # the servers asked before anything is written
+    online = _open_online(cfg, data, dist)  # the servers asked before anything is written
     log.info("plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
              plan.total_steps, plan.steps_per_epoch, plan.warmup_steps, plan.eval_every, plan.save_every,
              cfg.lr, cfg.lr_schedule)  # fmt: skip
@@ -355,13 +355,13 @@ def run(cfg: TrainConfig) -> int:
     return _finish(cfg, plan, dist, prog, code)
 
 
-def _open_online(cfg: TrainConfig, data: RunData) -> Any:
+def _open_online(cfg: TrainConfig, data: RunData, dist: Dist) -> Any:
     """With states = "online": the servers' client (one of them must answer) and the cache; else None."""
     if cfg.states != "online":
         return None
     from eagle3_pipeline.training.online import OnlineSource
 
-    return OnlineSource(cfg, data.shard_set.meta, Path(cfg.out_dir))
+    return OnlineSource(cfg, data.shard_set.meta, Path(cfg.out_dir), dist.world)
 
 
 def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: Path, plan: Plan,
