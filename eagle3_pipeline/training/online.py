@@ -225,7 +225,7 @@ class Servers:
 class StateClient:
     """(aux [T, n_aux, H], last [T, H]) float32 of one sample's token ids, from the servers."""
 
-    def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path, world: int = 1):
+    def __init__(self, cfg: TrainConfig, meta: dict[str, Any], out_dir: Path):
         self.cfg = cfg
         self.layers = layer_ids(meta)
         self.aux_index = torch.tensor([self.layers.index(i) for i in meta["aux_layer_ids"]])
