@@ -45,7 +45,8 @@ def kimi_draft(arch: str, parallel: bool) -> tuple[Any, dict[str, Any], dict[str
     train = config_from_file(TrainConfig, str(KIMI_CONFIG))
     # norm_before_fc: the llama layer's EAGLE-3.1 input norm (kimi_k25.toml's llama alternative); an MLA
     # draft has none in vLLM (the config refuses the pair)
-    train = dataclasses.replace(train, draft_arch=arch, parallel_drafting=parallel, norm_before_fc=arch == "llama")
+    train = dataclasses.replace(train, draft_arch=arch, parallel_drafting=parallel,
+                                norm_before_fc=arch == "llama")
     vocab = config_from_file(VocabConfig, str(KIMI_CONFIG)).draft_vocab_size
     t = KIMI_K25_TEXT_CONFIG
     spec = spec_for_training(train, t, vocab, default_aux_layer_ids(int(t["num_hidden_layers"])))
