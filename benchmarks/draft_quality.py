@@ -21,7 +21,8 @@
    (`thinking`, vLLM's default) and by vLLM's probabilistic drafting (`thinking_prob`), and on request
    instant mode (0.6 / 0.95, `instant`, `instant_prob`), at k = 3 and k = 5 (`--vllm-ks`), with this
    project's simulation of the same (its predicted AL; sampled: the exact expectation) beside.
-   `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy. Two
+   `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy
+   (`regenerated_t1x2`, on request: two seeded answers to every prompt, `--steps` for equal steps). Two
    prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens of held-out
    multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
@@ -71,8 +72,13 @@ from eagle3_pipeline.core.config import SERVED_MODES  # noqa: E402 - after the p
 K = 3  # the headline k; the --ks are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5, 8)  # every k the benchmark serves or simulates (8: a parallel draft's deepest, issue 27)
 DEFAULT_KS = (3, 5)  # --ks unless given
-DATASETS = ("given", "regenerated", "regenerated_t1")
-HEADLINE = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
+DATASETS = ("given", "regenerated", "regenerated_t1", "regenerated_t1x2")
+# The thinking regenerations (stage 00 at 1.0 / 0.95) and the seeds whose answers each holds: x2 answers
+# every prompt twice ("several sampled answers per prompt", twice stage 00's cost), the seed-0 answers
+# being regenerated_t1's.
+THINKING_SEEDS = {"regenerated_t1": (0,), "regenerated_t1x2": (0, 1)}
+RECIPES = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
+HEADLINE = [r for r in RECIPES if not r.endswith("/regenerated_t1x2")]  # the default rows
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
 # latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (vLLM does not
 # seed the draft's draws: its counts carry that noise, docs/results.md "Sampled acceptance")
@@ -85,7 +91,7 @@ PROBABILISTIC = {st for st in SETTINGS if st.endswith("_prob")}  # settings draf
 DEFAULT_SETTINGS = ["greedy", "thinking", "thinking_prob"]
 # The project's headline rows train with the `[serving] mode` recipe of the mode their data was regenerated
 # for (stage 00 at that mode's sampling); the given conversations with 04_train's defaults.
-RECIPE_MODE = {"regenerated": "greedy", "regenerated_t1": "thinking"}
+RECIPE_MODE = {"regenerated": "greedy", "regenerated_t1": "thinking", "regenerated_t1x2": "thinking"}
 SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), unless --samples-per-prompt
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
@@ -180,6 +186,32 @@ def needed_datasets(
     want |= {"regenerated_t1"} if full_vocab else set()
     want |= {"regenerated"} if stored else set()
     return [ds for ds in DATASETS if ds in want]
+
+
+def thinking_dir(work: Path, seed: int) -> Path:
+    """Stage 00's output at the thinking settings with `seed` (seed 0: regenerated_t1's, as always)."""
+    return work / "data" / ("regenerated_t1" if seed == 0 else f"regenerated_t1_s{seed}")
+
+
+def data_source(work: Path, ds: str) -> Path:
+    """The conversations stage 01 reads for data set `ds`; for a data set of several seeds, their answers
+    joined in seed order (written once, each row's id suffixed with its seed so that every id is unique)."""
+    if ds == "given":
+        return work / "data/given.jsonl"
+    seeds = THINKING_SEEDS.get(ds, ())
+    if len(seeds) < 2:
+        return (thinking_dir(work, seeds[0]) if seeds else work / "data" / ds) / "conversations.jsonl"
+    out = work / "data" / f"{ds}.jsonl"
+    if not out.exists():
+        lines = []
+        for seed in seeds:
+            for line in (thinking_dir(work, seed) / "conversations.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                lines.append(json.dumps({**row, "id": f"{row['id']}#s{seed}"}) + "\n")
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text("".join(lines))
+        tmp.replace(out)
+    return out
 
 
 def only_ablations(rows: dict[str, list[str]], names: list[str] | None) -> dict[str, list[str]]:
@@ -589,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument("--work-dir", default=None, help="default outputs/draft_quality[_quick] (cached)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps of every headline row (default: --epochs of its own data set; "
+                        "set it to compare data sets of different sizes at equal steps)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ablations", action="store_true", help="also the one-factor ablations (simulated)")
     p.add_argument(
@@ -600,12 +635,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                    help="the project's rows on `given` train with this served mode's recipe (thinking: KL) "
                         "in <project-run>_<mode> (default: 04_train's defaults)")
     p.add_argument("--jobs", type=int, default=1, help="ablation trainings run side by side (threads split)")
-    p.add_argument("--ablation-data", default="regenerated", choices=["given", "regenerated", "regenerated_t1"],
+    p.add_argument("--ablation-data", default="regenerated", choices=list(DATASETS),
                    help="data set of the ablation runs (regenerated_t1: regenerated at the thinking settings)")
     p.add_argument("--only-ablations", nargs="+", metavar="NAME",
                    help="a subset of the ablation rows (whole names, else prefixes)")
-    p.add_argument("--headline", nargs="+", default=HEADLINE, choices=HEADLINE, metavar="RECIPE/DATA",
-                   help=f"the headline rows to train and serve (default all: {' '.join(HEADLINE)})")
+    p.add_argument("--headline", nargs="+", default=HEADLINE, choices=RECIPES, metavar="RECIPE/DATA",
+                   help=f"the headline rows to train and serve (default: {' '.join(HEADLINE)}; also "
+                        "*/regenerated_t1x2: two seeded thinking answers to every prompt)")
     p.add_argument("--ks", nargs="+", type=int, default=list(DEFAULT_KS), choices=SERVED_KS,
                    help="the k simulated for every row (ablation rows: K only unless --ablations-every-k); "
                         "8: the parallel drafts' deepest")
@@ -666,18 +702,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         t = time.time()
         sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
         phase("regenerate greedy", t)
-    if "regenerated_t1" in needed:
+    for seed in sorted({s for ds in needed for s in THINKING_SEEDS.get(ds, ())}):
         t = time.time()
-        sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated_t1"),
-            "--temperature", "1.0", "--top-p", "0.95", "--seed", "0"], log, a.threads)  # fmt: skip
-        phase("regenerate thinking 1.0/0.95", t)
+        sh(["00_regenerate.py", *regen, "--out-dir", str(thinking_dir(work, seed)),
+            "--temperature", "1.0", "--top-p", "0.95", "--seed", str(seed)], log, a.threads)  # fmt: skip
+        phase("regenerate thinking 1.0/0.95" + (f", seed {seed}" if seed else ""), t)
     modes = {**RECIPE_MODE, **({"given": a.given_recipe} if a.given_recipe else {})}
     draft_vocab = a.draft_vocab_size or (8192 if a.verifier == "smollm2" else 1024)
     aux_ids = aux_layer_ids(work, a.verifier)
     t = time.time()
-    sources = {"given": work / "data/given.jsonl",
-               **{ds: work / "data" / ds / "conversations.jsonl" for ds in ("regenerated", "regenerated_t1")}}
-    datasets = {ds: prepare(work, ds, sources[ds], log, a.threads, draft_vocab, aux_ids=aux_ids)
+    datasets = {ds: prepare(work, ds, data_source(work, ds), log, a.threads, draft_vocab, aux_ids=aux_ids)
                 for ds in needed}  # fmt: skip
     phase(f"stages 01-03 ({len(needed)} data sets)", t)
     t = time.time()
@@ -685,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     rows: list[dict[str, Any]] = []
     drafts: dict[str, Path] = {}
     for ds, root in datasets.items():
-        steps = planned_steps(root, a.epochs, 1024)
+        steps = a.steps or planned_steps(root, a.epochs, 1024)
         if f"speculators/{ds}" in a.headline:
             run = speculators_run(root, "speculators", steps, log, a.threads)
             drafts[f"speculators/{ds}"] = export(run, log, a.threads)
@@ -867,6 +901,9 @@ def _print_table(report: dict) -> None:
         for ours, theirs, what in [
             (("project", "regenerated"), ("speculators", "given"), "full recipe (greedy regen) vs speculators given"),
             (("project", "regenerated_t1"), ("speculators", "given"), "full recipe (t1 regen) vs speculators given"),
+            (("project", "regenerated_t1x2"), ("speculators", "given"),
+             "full recipe (t1 regen, 2 answers per prompt) vs speculators given"),
+            (("project", "regenerated_t1x2"), ("project", "regenerated_t1"), "2 answers per prompt vs 1"),
             (("project", "given"), ("speculators", "given"), "given: project vs speculators"),
             (("project", "regenerated"), ("speculators", "regenerated"), "same greedy-regenerated data"),
             (("project", "regenerated_t1"), ("speculators", "regenerated_t1"), "same t1-regenerated data"),

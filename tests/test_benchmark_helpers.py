@@ -4,6 +4,7 @@ which runs are cached (no model)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -219,6 +220,25 @@ def test_only_the_data_sets_a_run_trains_on_are_regenerated_and_extracted():
     assert dq.needed_datasets(["project/regenerated_t1"], "regenerated_t1", False, False) == ["regenerated_t1"]
     assert dq.needed_datasets(["speculators/given"], "regenerated", False, False) == ["given", "regenerated"]
     assert dq.needed_datasets(["project/given"], None, True, True) == ["given", "regenerated", "regenerated_t1"]
+
+
+def test_two_answers_per_prompt_join_both_seeds_with_unique_ids(tmp_path):
+    dq = _load("draft_quality")
+    # the default rows stay the three data sets; x2 is asked for, and then regenerates seeds 0 and 1 only
+    assert not any(r.endswith("/regenerated_t1x2") for r in dq.HEADLINE)
+    assert dq.needed_datasets(["project/regenerated_t1x2"], None, False, False) == ["regenerated_t1x2"]
+    assert dq.thinking_dir(tmp_path, 0) == tmp_path / "data/regenerated_t1"
+    for seed in (0, 1):
+        d = dq.thinking_dir(tmp_path, seed)
+        d.mkdir(parents=True)
+        rows = [{"id": f"r{i}", "messages": [{"role": "assistant", "content": f"seed {seed} row {i}"}]}
+                for i in range(3)]  # fmt: skip
+        (d / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert dq.data_source(tmp_path, "regenerated_t1") == tmp_path / "data/regenerated_t1/conversations.jsonl"
+    joined = [json.loads(x) for x in dq.data_source(tmp_path, "regenerated_t1x2").read_text().splitlines()]
+    assert [r["id"] for r in joined] == ["r0#s0", "r1#s0", "r2#s0", "r0#s1", "r1#s1", "r2#s1"]
+    assert [r["messages"][0]["content"] for r in joined][2:4] == ["seed 0 row 2", "seed 1 row 0"]
+    assert not list((tmp_path / "data").glob("*.tmp"))
 
 
 def test_only_ablations_takes_a_whole_name_alone_and_a_prefix_for_all_it_begins():
