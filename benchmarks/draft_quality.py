@@ -22,7 +22,8 @@
    instant mode (0.6 / 0.95, `instant`, `instant_prob`), at k = 3 and k = 5 (`--vllm-ks`), with this
    project's simulation of the same (its predicted AL; sampled: the exact expectation) beside.
    `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy
-   (`regenerated_t1x2`, on request: two seeded answers to every prompt, `--steps` for equal steps). Two
+   (on request, `--steps` for equal steps: `regenerated_t1x2`, two seeded answers to every prompt;
+   `given_regenerated_t1`, the given rows beside the thinking answers). Two
    prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens of held-out
    multi-turn history before the question; k = 3).
 Prints a table and writes <work-dir>/draft_quality.json. `--ablations` adds simulated rows, one
@@ -72,13 +73,16 @@ from eagle3_pipeline.core.config import SERVED_MODES  # noqa: E402 - after the p
 K = 3  # the headline k; the --ks are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5, 8)  # every k the benchmark serves or simulates (8: a parallel draft's deepest, issue 27)
 DEFAULT_KS = (3, 5)  # --ks unless given
-DATASETS = ("given", "regenerated", "regenerated_t1", "regenerated_t1x2")
-# The thinking regenerations (stage 00 at 1.0 / 0.95) and the seeds whose answers each holds: x2 answers
-# every prompt twice ("several sampled answers per prompt", twice stage 00's cost), the seed-0 answers
-# being regenerated_t1's.
-THINKING_SEEDS = {"regenerated_t1": (0,), "regenerated_t1x2": (0, 1)}
+DATASETS = ("given", "regenerated", "regenerated_t1", "regenerated_t1x2", "given_regenerated_t1")
+# The data sets made of others' rows, joined in this order: x2 answers every prompt twice at the thinking
+# settings ("several sampled answers per prompt", twice stage 00's cost; regenerated_t1_s1: stage 00 with
+# seed 1), given_regenerated_t1 keeps the given answers beside the thinking ones.
+JOINED = {"regenerated_t1x2": ("regenerated_t1", "regenerated_t1_s1"),
+          "given_regenerated_t1": ("given", "regenerated_t1")}  # fmt: skip
+# The thinking regenerations (stage 00 at 1.0 / 0.95) each data set needs: their seeds.
+THINKING_SEEDS = {"regenerated_t1": (0,), "regenerated_t1x2": (0, 1), "given_regenerated_t1": (0,)}
 RECIPES = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
-HEADLINE = [r for r in RECIPES if not r.endswith("/regenerated_t1x2")]  # the default rows
+HEADLINE = [r for r in RECIPES if r.split("/")[1] not in JOINED]  # the default rows
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
 # latter with vLLM's default argmax drafting and with draft_sample_method "probabilistic" (vLLM does not
 # seed the draft's draws: its counts carry that noise, docs/results.md "Sampled acceptance")
@@ -91,7 +95,8 @@ PROBABILISTIC = {st for st in SETTINGS if st.endswith("_prob")}  # settings draf
 DEFAULT_SETTINGS = ["greedy", "thinking", "thinking_prob"]
 # The project's headline rows train with the `[serving] mode` recipe of the mode their data was regenerated
 # for (stage 00 at that mode's sampling); the given conversations with 04_train's defaults.
-RECIPE_MODE = {"regenerated": "greedy", "regenerated_t1": "thinking", "regenerated_t1x2": "thinking"}
+RECIPE_MODE = {"regenerated": "greedy", "regenerated_t1": "thinking", "regenerated_t1x2": "thinking",
+               "given_regenerated_t1": "thinking"}  # fmt: skip
 SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), unless --samples-per-prompt
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.
@@ -193,21 +198,29 @@ def thinking_dir(work: Path, seed: int) -> Path:
     return work / "data" / ("regenerated_t1" if seed == 0 else f"regenerated_t1_s{seed}")
 
 
+def part_label(part: str) -> str:
+    """A JOINED part's id suffix: a thinking regeneration's seed (s0, s1, ...), else the part's name."""
+    if part == "regenerated_t1":
+        return "s0"
+    return part.rsplit("_", 1)[1] if part.startswith("regenerated_t1_s") else part
+
+
 def data_source(work: Path, ds: str) -> Path:
-    """The conversations stage 01 reads for data set `ds`; for a data set of several seeds, their answers
-    joined in seed order (written once, each row's id suffixed with its seed so that every id is unique)."""
+    """The conversations stage 01 reads for data set `ds`; a JOINED one its parts' rows in order (written
+    once, each row's id suffixed with its part's label so that every id is unique: the split hashes it)."""
     if ds == "given":
         return work / "data/given.jsonl"
-    seeds = THINKING_SEEDS.get(ds, ())
-    if len(seeds) < 2:
-        return (thinking_dir(work, seeds[0]) if seeds else work / "data" / ds) / "conversations.jsonl"
+    if ds.startswith("regenerated_t1_s"):
+        return thinking_dir(work, int(ds.rsplit("_s", 1)[1])) / "conversations.jsonl"
+    if ds not in JOINED:
+        return work / "data" / ds / "conversations.jsonl"
     out = work / "data" / f"{ds}.jsonl"
     if not out.exists():
         lines = []
-        for seed in seeds:
-            for line in (thinking_dir(work, seed) / "conversations.jsonl").read_text().splitlines():
+        for part in JOINED[ds]:
+            for line in data_source(work, part).read_text().splitlines():
                 row = json.loads(line)
-                lines.append(json.dumps({**row, "id": f"{row['id']}#s{seed}"}) + "\n")
+                lines.append(json.dumps({**row, "id": f"{row['id']}#{part_label(part)}"}) + "\n")
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(lines))
         tmp.replace(out)
@@ -641,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                    help="a subset of the ablation rows (whole names, else prefixes)")
     p.add_argument("--headline", nargs="+", default=HEADLINE, choices=RECIPES, metavar="RECIPE/DATA",
                    help=f"the headline rows to train and serve (default: {' '.join(HEADLINE)}; also "
-                        "*/regenerated_t1x2: two seeded thinking answers to every prompt)")
+                        "*/regenerated_t1x2: two seeded thinking answers to every prompt; "
+                        "*/given_regenerated_t1: the given rows and the thinking answers)")
     p.add_argument("--ks", nargs="+", type=int, default=list(DEFAULT_KS), choices=SERVED_KS,
                    help="the k simulated for every row (ablation rows: K only unless --ablations-every-k); "
                         "8: the parallel drafts' deepest")
@@ -904,6 +918,10 @@ def _print_table(report: dict) -> None:
             (("project", "regenerated_t1x2"), ("speculators", "given"),
              "full recipe (t1 regen, 2 answers per prompt) vs speculators given"),
             (("project", "regenerated_t1x2"), ("project", "regenerated_t1"), "2 answers per prompt vs 1"),
+            (("project", "given_regenerated_t1"), ("speculators", "given"),
+             "full recipe (given + t1 regen) vs speculators given"),
+            (("project", "given_regenerated_t1"), ("project", "regenerated_t1"),
+             "given + t1 regen vs t1 regen"),
             (("project", "given"), ("speculators", "given"), "given: project vs speculators"),
             (("project", "regenerated"), ("speculators", "regenerated"), "same greedy-regenerated data"),
             (("project", "regenerated_t1"), ("speculators", "regenerated_t1"), "same t1-regenerated data"),

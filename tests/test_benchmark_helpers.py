@@ -222,7 +222,7 @@ def test_only_the_data_sets_a_run_trains_on_are_regenerated_and_extracted():
     assert dq.needed_datasets(["project/given"], None, True, True) == ["given", "regenerated", "regenerated_t1"]
 
 
-def test_two_answers_per_prompt_join_both_seeds_with_unique_ids(tmp_path):
+def test_joined_data_sets_keep_their_parts_in_order_with_unique_ids(tmp_path):
     dq = _load("draft_quality")
     # the default rows stay the three data sets; x2 is asked for, and then regenerates seeds 0 and 1 only
     assert not any(r.endswith("/regenerated_t1x2") for r in dq.HEADLINE)
@@ -239,6 +239,12 @@ def test_two_answers_per_prompt_join_both_seeds_with_unique_ids(tmp_path):
     assert [r["id"] for r in joined] == ["r0#s0", "r1#s0", "r2#s0", "r0#s1", "r1#s1", "r2#s1"]
     assert [r["messages"][0]["content"] for r in joined][2:4] == ["seed 0 row 2", "seed 1 row 0"]
     assert not list((tmp_path / "data").glob("*.tmp"))
+    # the given rows beside the seed-0 answers, given first
+    (tmp_path / "data/given.jsonl").write_text(json.dumps({"id": "g0", "messages": []}) + "\n")
+    mixed = dq.data_source(tmp_path, "given_regenerated_t1").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in mixed] == ["g0#given", "r0#s0", "r1#s0", "r2#s0"]
+    wanted = ["speculators/given_regenerated_t1"]
+    assert dq.needed_datasets(wanted, None, False, False) == ["given_regenerated_t1"]
 
 
 def test_only_ablations_takes_a_whole_name_alone_and_a_prefix_for_all_it_begins():
