@@ -79,8 +79,6 @@ DATASETS = ("given", "regenerated", "regenerated_t1", "regenerated_t1x2", "given
 # seed 1), given_regenerated_t1 keeps the given answers beside the thinking ones.
 JOINED = {"regenerated_t1x2": ("regenerated_t1", "regenerated_t1_s1"),
           "given_regenerated_t1": ("given", "regenerated_t1")}  # fmt: skip
-# The thinking regenerations (stage 00 at 1.0 / 0.95) each data set needs: their seeds.
-THINKING_SEEDS = {"regenerated_t1": (0,), "regenerated_t1x2": (0, 1), "given_regenerated_t1": (0,)}
 RECIPES = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
 HEADLINE = [r for r in RECIPES if r.split("/")[1] not in JOINED]  # the default rows
 # Serving settings every draft is evaluated at: greedy, and Kimi-K2.5's thinking mode (its default), the
@@ -193,25 +191,32 @@ def needed_datasets(
     return [ds for ds in DATASETS if ds in want]
 
 
+def seed_of(part: str) -> int | None:
+    """The seed of a thinking regeneration (stage 00 at 1.0 / 0.95): regenerated_t1 0, regenerated_t1_s<N>
+    N; None for any other data."""
+    if part == "regenerated_t1":
+        return 0
+    return int(part.rsplit("_s", 1)[1]) if part.startswith("regenerated_t1_s") else None
+
+
+def thinking_seeds(ds: str) -> list[int]:
+    """The thinking regenerations data set `ds` is made of (its JOINED parts, else itself): their seeds."""
+    return [s for s in map(seed_of, JOINED.get(ds, (ds,))) if s is not None]
+
+
 def thinking_dir(work: Path, seed: int) -> Path:
     """Stage 00's output at the thinking settings with `seed` (seed 0: regenerated_t1's, as always)."""
     return work / "data" / ("regenerated_t1" if seed == 0 else f"regenerated_t1_s{seed}")
 
 
-def part_label(part: str) -> str:
-    """A JOINED part's id suffix: a thinking regeneration's seed (s0, s1, ...), else the part's name."""
-    if part == "regenerated_t1":
-        return "s0"
-    return part.rsplit("_", 1)[1] if part.startswith("regenerated_t1_s") else part
-
-
 def data_source(work: Path, ds: str) -> Path:
     """The conversations stage 01 reads for data set `ds`; a JOINED one its parts' rows in order (written
-    once, each row's id suffixed with its part's label so that every id is unique: the split hashes it)."""
+    once, each row's id suffixed with its part, a regeneration's as s<seed>, so that every id is unique:
+    the split hashes it)."""
     if ds == "given":
         return work / "data/given.jsonl"
-    if ds.startswith("regenerated_t1_s"):
-        return thinking_dir(work, int(ds.rsplit("_s", 1)[1])) / "conversations.jsonl"
+    if seed_of(ds) is not None:
+        return thinking_dir(work, seed_of(ds)) / "conversations.jsonl"
     if ds not in JOINED:
         return work / "data" / ds / "conversations.jsonl"
     out = work / "data" / f"{ds}.jsonl"
@@ -220,7 +225,8 @@ def data_source(work: Path, ds: str) -> Path:
         for part in JOINED[ds]:
             for line in data_source(work, part).read_text().splitlines():
                 row = json.loads(line)
-                lines.append(json.dumps({**row, "id": f"{row['id']}#{part_label(part)}"}) + "\n")
+                label = part if seed_of(part) is None else f"s{seed_of(part)}"
+                lines.append(json.dumps({**row, "id": f"{row['id']}#{label}"}) + "\n")
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(lines))
         tmp.replace(out)
@@ -716,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         t = time.time()
         sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
         phase("regenerate greedy", t)
-    for seed in sorted({s for ds in needed for s in THINKING_SEEDS.get(ds, ())}):
+    for seed in sorted({s for ds in needed for s in thinking_seeds(ds)}):
         t = time.time()
         sh(["00_regenerate.py", *regen, "--out-dir", str(thinking_dir(work, seed)),
             "--temperature", "1.0", "--top-p", "0.95", "--seed", str(seed)], log, a.threads)  # fmt: skip
