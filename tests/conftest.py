@@ -46,6 +46,42 @@ def popen_script(args: list[str], cwd: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
+# Loaded as sitecustomize by run_killed_after: the stage SIGKILLs itself right after a named file's atomic
+# rename (every write of eagle3_pipeline.core.storage ends in `_replace`). The variable and the hook's folder
+# leave the environment at once, so the processes the stage starts (a vLLM worker) run unhooked.
+KILL_HOOK = """
+import os
+name = os.environ.pop("EAGLE3_TEST_KILL_AFTER", None)
+if name:
+    import signal
+    hook = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != hook
+    )
+    from eagle3_pipeline.core import storage
+    real = storage._replace
+    def _replace(tmp, path, bytes_needed):
+        real(tmp, path, bytes_needed)
+        if path.name == name:
+            os.kill(os.getpid(), signal.SIGKILL)
+    storage._replace = _replace
+"""
+
+
+def run_killed_after(args: list[str], cwd: Path, file_name: str, timeout_s: float = 900) -> None:
+    """Run a stage script that is SIGKILLed the moment `file_name` is in place (the state a kill leaves
+    there), without kill_when's race: a fast stage can write the next file, or finish, between two polls
+    when CI's cores are busy (test_vllm_extract's run did both, once each). The hook lives under `cwd`."""
+    hook = cwd / "kill_hook"
+    hook.mkdir(parents=True)
+    (hook / "sitecustomize.py").write_text(KILL_HOOK)
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "HF_HUB_OFFLINE": "1",
+           "EAGLE3_TEST_KILL_AFTER": file_name}  # fmt: skip
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, f"not killed after {file_name}: {proc.stderr[-2000:]}"
+
+
 def kill_when(proc: subprocess.Popen, ready, timeout_s: float = 600) -> None:
     """SIGKILL `proc` as soon as `ready()` holds (it must still be running then)."""
     deadline = time.time() + timeout_s

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVERSATIONS, extract_args, kill_when, popen_script, run_script, vllm_available
+from conftest import (
+    CONVERSATIONS,
+    extract_args,
+    popen_script,
+    run_killed_after,
+    run_script,
+    vllm_available,
+)
 
 OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
@@ -140,14 +147,8 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
 def test_vllm_extraction_killed_then_rerun_is_byte_identical(verifier, vllm_run, tmp_path):
     out = tmp_path / "hs"
     args = _args(verifier, "hs", "--engine", "vllm", "--start-row", "0", "--end-row", "4")
-    proc = popen_script(args, tmp_path)
-    shard = out / "rows_00000000-00000004"
-    kill_when(proc, lambda: (shard / "part-00000.json").exists(), timeout_s=900)
-    assert not (shard / "COMPLETE").exists()
-    # Part 1 (two rows) can be written inside kill_when's 50 ms poll: it was once on CI beside other jobs
-    # (rerun "2 parts, 0 to do"). Its record then goes and its tensor file stays: the state of a kill between
-    # the file and its record, so the rerun below still has a part to redo over an orphan file.
-    (shard / "part-00001.json").unlink(missing_ok=True)
+    run_killed_after(args, tmp_path, "part-00000.json")  # part 0 of 2 recorded, part 1 not written
+    assert not (out / "rows_00000000-00000004" / "COMPLETE").exists()
     # its worker sees its client gone, stops its engine and removes the connector's folder
     deadline = time.time() + 300
     while list(out.glob(".vllm-states-*")):
