@@ -196,3 +196,36 @@ def test_export_killed_midway_leaves_the_good_export_in_place(tiny_run, tmp_path
     assert (tmp_path / "draft.tmp" / "model.safetensors").exists() and _tree_bytes(out) == before
     run_script(*args)
     assert (out / "COMPLETE").exists() and not (tmp_path / "draft.tmp").exists()
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_to_cpu(tiny_run, tmp_path):
+    """state.pt's tensors name the device they were saved from (rank 0's GPU on a CUDA run): a resume on a
+    machine without one must still load it, and each torchrun rank must not load it onto cuda:0."""
+    import torch
+    import torch.serialization as ser
+
+    from eagle3_pipeline.training import checkpoint
+
+    src = checkpoint.resolve(checkpoint.root_of(tiny_run / "train"), "latest")
+    ckpt = tmp_path / src.name
+    shutil.copytree(src, ckpt)
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+
+    def as_cuda(_storage):  # tag every storage as saved from cuda:0, as a GPU run's are
+        return "cuda:0"
+
+    ser.register_package(1, as_cuda, lambda _storage, _location: None)
+    try:
+        torch.save(state, ckpt / "state.pt")
+    finally:
+        ser._package_registry[:] = [p for p in ser._package_registry if p[1] is not as_cuda]
+    if not torch.cuda.is_available():  # the file is a GPU run's: loading it as saved needs CUDA
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(ckpt / "state.pt", weights_only=False)
+    _, loaded, _ = checkpoint.load(ckpt)
+
+    def moments(st):  # AdamW's exp_avg / exp_avg_sq (its step counts are 0-d)
+        return [v for p in st["optimizer"]["state"].values() for v in p.values() if v.dim() > 0]
+
+    assert moments(loaded) and all(t.device.type == "cpu" for t in moments(loaded))
+    assert all(torch.equal(a, b) for a, b in zip(moments(loaded), moments(state), strict=True))

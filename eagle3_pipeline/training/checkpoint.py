@@ -165,7 +165,9 @@ def load(
     from safetensors.torch import load_file
 
     weights = load_file(str(ckpt / "model.safetensors"))
-    state = torch.load(ckpt / "state.pt", weights_only=False) if with_state else None
+    # to CPU: the tensors name the device they were saved from (rank 0's GPU); a resume elsewhere, or every
+    # rank of a torchrun loading onto cuda:0, would fail or crowd one GPU (load_state_dict moves them after)
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False) if with_state else None
     return weights, state, storage.read_json(ckpt / "checkpoint.json")
 
 
