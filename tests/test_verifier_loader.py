@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.models.verifier import draft_tensors_of, load_verifier_tensors
+from eagle3_pipeline.models.verifier import AuxCapture, draft_tensors_of, load_verifier_tensors
 
 
 def write_checkpoint(path, names):
@@ -63,7 +63,9 @@ def test_a_verifier_whose_config_ties_its_head_lends_the_embedding_as_lm_head(tm
     config = text if where == "top" else {"architectures": ["X"], "text_config": text}
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     out = draft_tensors_of(tmp_path / "ckpt")
-    assert float(out["lm_head"][0, 0]) == float(out["embed_tokens"][0, 0]) == fill["model.embed_tokens.weight"]
+    assert (
+        float(out["lm_head"][0, 0]) == float(out["embed_tokens"][0, 0]) == fill["model.embed_tokens.weight"]
+    )
 
 
 def test_an_untied_verifier_without_lm_head_is_an_error_naming_it(tmp_path):
@@ -73,3 +75,17 @@ def test_an_untied_verifier_without_lm_head_is_an_error_naming_it(tmp_path):
     )
     with pytest.raises(UserError, match=r"not found: \['lm_head'\]"):
         draft_tensors_of(tmp_path / "ckpt")
+
+
+def test_aux_states_from_layers_on_other_devices_come_back_on_the_last_layers():
+    """device_map=auto spreads the verifier's layers over the GPUs, each hook keeping its state where its
+    layer ran; the batch comes back on the last layer's device. Here "meta" plays the last GPU."""
+    layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(4))
+    capture = AuxCapture(layers, [1, 3])
+    x = torch.arange(12.0).reshape(1, 2, 6)
+    for i in range(3):
+        layers[i](x + i)
+    layers[3].to("meta")(x.to("meta"))
+    aux, last = capture.pop_batch()
+    assert aux.device.type == "meta" and last.device.type == "meta"
+    assert aux.shape == (1, 2, 2, 6) and not capture.states

@@ -139,9 +139,10 @@ class AuxCapture:
         return hook
 
     def pop_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, T, n_aux, H] aux states, [B, T, H] last hidden state) of the batch just run."""
-        aux = torch.stack([self.states[i] for i in self.aux_layer_ids], dim=2)
+        """([B, T, n_aux, H] aux states, [B, T, H] last hidden state) of the batch just run, on the last
+        layer's device (device_map=auto spreads the layers, and so their states, over the GPUs)."""
         last = self.states[self.last_layer_id]
+        aux = torch.stack([self.states[i].to(last.device) for i in self.aux_layer_ids], dim=2)
         self.states.clear()
         return aux, last
 
