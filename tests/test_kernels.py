@@ -234,6 +234,23 @@ def test_compile_off_binds_the_uncompiled_forward():
     assert model.forward.__func__ is getattr(cls_forward, "_torchdynamo_orig_callable", cls_forward)
 
 
+def test_export_loads_the_draft_with_the_uncompiled_forward_where_speculators_compiled_it(
+    tiny_run, monkeypatch
+):
+    """On a CUDA machine speculators' import compiles Eagle3DraftModel.forward (dynamic shapes); export's
+    gate runs CPU tensors through it and must not build inductor graphs for them. Compiled here as it is
+    there (torch.compile of the class function), the loaded draft's forward is the function under it."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3_pipeline.export_eval import export
+
+    plain = Eagle3DraftModel.forward
+    monkeypatch.setattr(Eagle3DraftModel, "forward", torch.compile(plain))
+    assert Eagle3DraftModel.forward._torchdynamo_orig_callable is plain
+    model = export.load_trained(tiny_run / "train", "latest")[2]
+    assert isinstance(model, Eagle3DraftModel) and model.forward.__func__ is plain
+
+
 def test_attention_memory_terms_are_the_sizes_of_the_masks_speculators_builds():
     from speculators.models.attention import create_float_mask
     from speculators.models.eagle3.attention import (

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.training import checkpoint, parallel
+from eagle3_pipeline.training import checkpoint, kernel_policy, parallel
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.config import ExportConfig, provenance
 from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft
@@ -387,6 +387,7 @@ def load_trained(
             raise UserError(f"{ckpt}: unknown tensors {sorted(unknown)}")
         model.load_state_dict(weights, strict=False)
     model.eval()
+    kernel_policy.set_eager(model)
     return ckpt, meta, model, vt, d2t, t2d
 
 

@@ -144,17 +144,23 @@ def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Te
     return out
 
 
+def set_eager(model: Any) -> None:
+    """Bind the draft's uncompiled forward on this instance (see set_compile): what export's gate runs, on
+    CPU tensors even on a CUDA machine, where speculators' import-time compile would build inductor CPU
+    graphs for each sample length."""
+    cls_forward = type(model).forward
+    model.forward = types.MethodType(getattr(cls_forward, "_torchdynamo_orig_callable", cls_forward), model)
+
+
 def set_compile(model: Any, k: Kernels) -> None:
     """Bind the draft's forward on this instance: torch.compile'd (static shapes, one graph per length
     bucket) or plain. speculators compiles Eagle3DraftModel.forward at import when CUDA is present
     (conditional_torch_compile, dynamic shapes by default); the uncompiled function is kept by dynamo
     as `_torchdynamo_orig_callable`, so `off` really is eager on CUDA too."""
-    cls_forward = type(model).forward
-    plain = getattr(cls_forward, "_torchdynamo_orig_callable", cls_forward)
-    bound = types.MethodType(plain, model)
+    set_eager(model)
     if not k.compile:
-        model.forward = bound
         return
+    bound = model.forward
     # two graphs per bucket (grad and no_grad for validation) must fit dynamo's recompile limit
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(k.length_buckets) + 2)
     torch._dynamo.config.recompile_limit = limit
