@@ -99,7 +99,8 @@ for name in ("tiny", "kimi", "kimi_mla", "ddp"):
     res["sections"][name] = {**(read(out / f"{name}.rc.json") or {}), "log_tail": tail(name)}
 log = tail("tiny", 10**7) or ""
 done = re.findall(r"done .*? acceptance_length ([\d.]+) \(untrained ([\d.]+)\)", log)
-acc = read(root / "tiny" / "draft" / "acceptance.json")
+# what run_tiny.sh's 06_evaluate.py --engine sim wrote (evaluate.result_name: acceptance_sim*.json)
+acc = {p.name: read(p) for p in sorted((root / "tiny" / "draft").glob("acceptance_sim*.json"))}
 res["tiny_bf16_cuda"] = {
     "val_acceptance_length": float(done[-1][0]) if done else None,
     "val_acceptance_length_untrained": float(done[-1][1]) if done else None,
