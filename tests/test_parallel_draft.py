@@ -160,6 +160,38 @@ def test_training_learns_the_masked_slots(tmp_path):
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_the_compiled_forward_trains_as_the_plain_one_at_every_row_length(tmp_path):
+    """bind(compiled=True), what CUDA's default kernels take (uncompiled, flex would run the reference path
+    that materialises [heads, E, E] scores): the losses and gradients of the plain forward (sdpa here), and
+    no new graph for rows whose rollout counts E differ from the first row's (dynamic shapes)."""
+    from speculators.losses.utils import resolve_loss_config
+    from torch._dynamo.utils import counters
+
+    from eagle3_pipeline.training import parallel
+
+    model, *_ = _parallel_draft(tmp_path)
+    model.train()
+    lc = resolve_loss_config("kl_div", "eager")
+    runs: dict[bool, list] = {}
+    graphs = []
+    for compiled in (False, True):
+        parallel.bind(model, compiled=compiled)
+        counters.clear()
+        runs[compiled] = []
+        for n, docs in ((40, [40]), (29, [13, 16]), (52, [52])):
+            model.zero_grad()
+            loss, _ = model(_row(n, docs), K, None, lc)  # every rollout: the same elements both times
+            loss.backward()
+            runs[compiled].append(
+                (loss.detach(), model.mask_hidden.grad.clone(), model.fc.weight.grad.clone())
+            )
+            graphs.append(counters["stats"]["unique_graphs"])
+    for plain, comp in zip(runs[False], runs[True], strict=True):
+        for a, b in zip(plain, comp, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert graphs[:3] == [0, 0, 0] and graphs[3] > 0 and graphs[3:] == [graphs[3]] * 3, graphs
+
+
 @pytest.mark.parametrize("broken", ["mask_token_id", "mask_hidden"])
 def test_gate_refuses_a_parallel_export_missing_its_key(tmp_path, broken):
     from eagle3_pipeline.export_eval.export import static_problems

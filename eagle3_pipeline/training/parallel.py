@@ -146,7 +146,7 @@ def forward(
     slot = anchor + depth
     doc = b["document_ids"].reshape(-1)
     scored = lm[0, slot].bool() & (doc[slot] == doc[anchor]) & (doc[anchor] >= 0)
-    logits = draft_logits(model, b, anchor, depth)
+    logits = getattr(model, "parallel_logits", draft_logits)(model, b, anchor, depth)
     with torch.no_grad():
         targets = model.verifier_lm_head(model.verifier_norm(b["verifier_last"][:, slot]))
     loss, terms = compound_loss(logits, targets, scored[None], depth[None], loss_config=loss_config)
@@ -166,7 +166,12 @@ def _module_forward(
     return forward(self, b, k, cod, loss_config)
 
 
-def bind(model: Any) -> None:
+def bind(model: Any, compiled: bool = False) -> None:
     """Make this instance's forward the parallel one, so calling the model (or DDP around it, whose
-    gradient hooks need the call to go through it) runs `forward`."""
+    gradient hooks need the call to go through it) runs `forward`. `compiled` (the resolved kernels' compile:
+    on CUDA by default) torch.compiles its `draft_logits` with dynamic shapes, the element count E changing
+    every step, as speculators compiles PEagleDraftModel.forward: uncompiled, flex_attention runs torch's
+    reference path, which materialises the [heads, E, E] scores (kernel_policy.resolve refuses that for
+    sequential drafts)."""
     model.forward = types.MethodType(_module_forward, model)
+    model.parallel_logits = torch.compile(draft_logits, dynamic=True) if compiled else draft_logits

@@ -232,8 +232,8 @@ def build_model(
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
     model = model.to(device)
-    if spec.parallel:  # its forward is training/parallel.py's (row lengths vary: never compiled)
-        parallel.bind(model)
+    if spec.parallel:  # its forward is training/parallel.py's, its attention compiled for dynamic shapes
+        parallel.bind(model, compiled=kern.compile)
     else:
         kernels.set_compile(model, kern)
     return model, names
