@@ -12,7 +12,7 @@
 #   2. the Kimi-sized draft step: flex+fused+compile vs sdpa+eager vs speculators' own Trainer
 #      (benchmarks/train_kernels.py --kimi --device cuda), the llama layer speculators also trains
 #   3. the same step for configs/kimi_k25.toml's MLA draft (--arch mla): flex+fused+compile, sdpa+eager
-#   4. torchrun --nproc-per-node 1 of 04_train on the tiny run's data (kernels auto; compile caches warm)
+#   4. torchrun --nproc-per-node 1 of 04_train --parallel-drafting on the tiny run's data (kernels auto)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/gpu_check}}
@@ -78,9 +78,11 @@ section kimi "$T_KIMI" "$PY" benchmarks/train_kernels.py --kimi --device cuda --
 section kimi_mla "$T_MLA" "$PY" benchmarks/train_kernels.py --kimi --arch mla --device cuda --warmup 2 \
   --steps 3 --only flex+fused+compile sdpa+eager --out "$OUT/kimi_mla.json"
 
-# --- 4. torchrun with one process (DDP wrapper, NCCL) on the tiny run's data -------------------------
+# --- 4. a parallel draft under torchrun with one process, on the tiny run's data ---------------------
+#    (its draft_logits compiled for dynamic shapes: flex's fused kernel on CUDA; one process starts no
+#    process group, so DDP and NCCL wait for a machine with two GPUs)
 section ddp "$T_DDP" "$PY" -m torch.distributed.run --nproc-per-node 1 04_train.py --config "$ROOT/tiny.toml" \
-  --out-dir "$ROOT/tiny/train_ddp" --max-steps 10 --eval-every 10 --overwrite
+  --out-dir "$ROOT/tiny/train_ddp" --max-steps 10 --eval-every 10 --overwrite --parallel-drafting
 
 # --- one JSON ------------------------------------------------------------------------------------------
 "$PY" - "$OUT" "$ROOT" "$START" <<'PY'
