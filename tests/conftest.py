@@ -27,13 +27,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def script_env(*before_repo: Path) -> dict[str, str]:
+    """A stage script's environment: the repo (after `before_repo`, e.g. a sitecustomize hook) importable,
+    no hub access."""
+    path = os.pathsep.join(str(p) for p in (*before_repo, REPO))
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+
+
 def run_script(
     *args: str, cwd: Path = REPO, check: bool = True, timeout: int = 900
 ) -> subprocess.CompletedProcess:
     """A stage script (or module) in a subprocess, as a user runs it."""
     cmd = [sys.executable, *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
@@ -41,8 +47,7 @@ def run_script(
 
 def popen_script(args: list[str], cwd: Path) -> subprocess.Popen:
     """A stage script started in the background (stderr kept), to be killed or stopped by the test."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=script_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
@@ -75,8 +80,7 @@ def run_killed_after(args: list[str], cwd: Path, file_name: str, timeout_s: floa
     hook = cwd / "kill_hook"
     hook.mkdir(parents=True)
     (hook / "sitecustomize.py").write_text(KILL_HOOK)
-    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "HF_HUB_OFFLINE": "1",
-           "EAGLE3_TEST_KILL_AFTER": file_name}  # fmt: skip
+    env = {**script_env(hook), "EAGLE3_TEST_KILL_AFTER": file_name}
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout_s)  # fmt: skip
     assert proc.returncode == -signal.SIGKILL, f"not killed after {file_name}: {proc.stderr[-2000:]}"

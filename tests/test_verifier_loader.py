@@ -63,9 +63,7 @@ def test_a_verifier_whose_config_ties_its_head_lends_the_embedding_as_lm_head(tm
     config = text if where == "top" else {"architectures": ["X"], "text_config": text}
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     out = draft_tensors_of(tmp_path / "ckpt")
-    assert (
-        float(out["lm_head"][0, 0]) == float(out["embed_tokens"][0, 0]) == fill["model.embed_tokens.weight"]
-    )
+    assert float(out["lm_head"][0, 0]) == float(out["embed_tokens"][0, 0]) == fill["model.embed_tokens.weight"]
 
 
 def test_an_untied_verifier_without_lm_head_is_an_error_naming_it(tmp_path):
