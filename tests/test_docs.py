@@ -26,3 +26,16 @@ def test_readme_links_resolve():
     missing = [link for link in re.findall(r"\]\(([^)#]+)", text)
                if not link.startswith("http") and not (REPO / link).exists()]
     assert missing == []
+
+
+def test_the_product_points_at_nothing_outside_the_repository():
+    """A user's clone has only the repository: no product file (code, docs, configs, scripts) may send the
+    reader to a `shared/reference` folder that lives beside it in the workplace (docs/vllm_contract.md holds
+    the contract in the project's own words)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    product = [f for f in files.split() if not f.startswith((".ci/", "tests/"))]
+    pointing = [f for f in product if "shared/reference" in (REPO / f).read_text(errors="replace")]
+    assert pointing == []
+    assert (REPO / "docs" / "vllm_contract.md").is_file()

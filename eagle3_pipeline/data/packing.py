@@ -1,7 +1,7 @@
 """Samples into packed micro-batches, shifted the way the draft serves; shared by training and export.
 
 Slot t of a sample gets the verifier's aux states at t, the embedding of token t+1 and RoPE position t,
-and learns the verifier's distribution at t+1 (vLLM's EAGLE-3 proposer, shared/reference contract 1).
+and learns the verifier's distribution at t+1 (vLLM's EAGLE-3 proposer, docs/vllm_contract.md section 1).
 Several samples share one row; document ids keep their attention apart.
 """
 

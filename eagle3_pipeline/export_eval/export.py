@@ -1,6 +1,6 @@
 """Stage 05: write the vLLM flat EAGLE-3 format and refuse any export vLLM would load but run wrong.
 
-Every silent failure mode of shared/reference/vllm-eagle3-contract.md section 3 is either made
+Every silent failure mode of docs/vllm_contract.md section 3 is either made
 impossible by construction or caught by `gate` (which also runs on any folder: `05_export.py --check`):
 head_dim explicit and equal to training's; aux ids at top level and in eagle_config, equal to the
 extraction's; d2t int64 offsets equal to the vocab mapping; norm flags explicit; no `model.` prefix,

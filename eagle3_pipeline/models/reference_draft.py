@@ -1,7 +1,7 @@
 """An exported draft, read and run the way vLLM reads and runs it, in plain PyTorch.
 
 This deliberately does not use the training classes. It follows vLLM's `LlamaForCausalLMEagle3`
-(`vllm/model_executor/models/llama_eagle3.py`, summarised in shared/reference/vllm-eagle3-contract.md):
+(`vllm/model_executor/models/llama_eagle3.py`, summarised in docs/vllm_contract.md):
 - head_dim = config["head_dim"], else hidden_size // num_attention_heads; q/k/v/o weights are narrowed
   to that size (first rows / columns) as vLLM's loader does, so a missing head_dim misbehaves here
   exactly as it does there, silently;

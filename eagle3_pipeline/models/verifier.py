@@ -1,7 +1,7 @@
 """The verifier: its text config, aux-layer capture with hooks, and the few tensors a draft needs.
 
-Layer ids follow vLLM (`vllm/model_executor/models/llama_eagle3.py` and the contract in
-shared/reference): id i is the residual stream entering decoder layer i, which is Hugging Face's
+Layer ids follow vLLM (`vllm/model_executor/models/llama_eagle3.py` and docs/vllm_contract.md
+section 3): id i is the residual stream entering decoder layer i, which is Hugging Face's
 `hidden_states[i]` (0 = embedding output). It is captured as the output of decoder layer i-1 with a
 forward hook, so only the configured layers are ever held, never all 61.
 """
