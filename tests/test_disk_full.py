@@ -162,7 +162,7 @@ def test_disk_full_on_rank_0_stops_every_ddp_rank(tiny_shards, tmp_path):
     out = tmp_path / "ddp"
     proc = subprocess.run(
         [
-            str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", str(REPO / "04_train.py"),
+            str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", str(REPO / "04_train.py"),
             "--config", str(REPO / "configs" / "tiny.toml"), "--data-dir", str(tiny_shards["float32"]),
             "--split-dir", "", "--val-ratio", "0.2", "--vocab-mapping-dir", str(tiny_shards["vocab_float32"]),
             "--out-dir", str(out), "--max-steps", "8", "--save-every", "4", "--eval-every", "4",

@@ -181,6 +181,7 @@ def test_torchrun_ddp_trains_on_two_cpu_ranks(tiny_run, tmp_path, arch):
     proc = subprocess.run(
         [
             str(torchrun),
+            "--standalone",  # a free port: the other pytest-xdist worker may run torchrun at the same time
             "--nproc-per-node",
             "2",
             script("04_train.py"),
