@@ -1,4 +1,4 @@
-"""The vLLM serving contract (shared/reference/vllm-eagle3-contract.md): each silent failure impossible."""
+"""The vLLM serving contract (docs/vllm_contract.md): each silent failure impossible."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KV-cache bytes per token of the draft beside the verifier's, as vLLM serves them (issue 18).
+"""KV-cache bytes per token of the draft beside the verifier's, as vLLM serves them.
 
 The draft's cache comes out of the same GPU memory as the verifier's, so every byte it takes per token is
 a token of batch x context the verifier cannot hold. `kv_cache_report` is the one place that computes it

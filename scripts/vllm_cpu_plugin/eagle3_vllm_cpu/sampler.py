@@ -6,7 +6,7 @@ op `_ensure_int64(output)`: for any output that is not int64 that is a converted
 the copy, and the real output keeps what `new_empty` left in it. `apply_sampling_constraints` expands
 three per-request values over the draft tokens this way, temperature and top_p (float32) and top_k
 (int32), so every sampled request is verified with uninitialised temperatures, top-p and top-k:
-measured, a draft accepting AL 3.09 greedy accepted 1.10 at temperature 0.01 (the project's issue 18).
+measured, a draft accepting AL 3.09 greedy accepted 1.10 at temperature 0.01 (docs/results.md).
 Greedy requests never reach it (`all_greedy` returns early). The other CPU stand-ins in that file copy
 their integer outputs back or take the tensors as they are; this is the one that loses its output.
 """
