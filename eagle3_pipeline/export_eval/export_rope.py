@@ -57,6 +57,8 @@ def long_positions(b: dict[str, torch.Tensor], scalings: list[dict[str, Any] | N
     if not lengths or T < 2:
         return []
     stride = math.ceil(2 * max(lengths) / (T - 1))
+    if stride == 1:  # the sample already spans that far
+        return []
     return [{**b, "position_ids": b["position_ids"] * stride}]
 
 
