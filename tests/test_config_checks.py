@@ -194,6 +194,13 @@ CHECKED_VALUES = {
         shlex.join
     ),
     "head_dim": st.integers(1, 2**62).map(lambda n: 2 * n),  # even (RoPE rotates pairs)
+    # none, verifier, or a JSON yarn table: factor > 1 over an integer length, betas or both mscales
+    "rope_scaling": st.sampled_from(["none", "verifier"]) | st.builds(
+        lambda f, n, extra: json.dumps({"rope_type": "yarn", "factor": f, "original_max_position_embeddings": n,
+                                        **extra}),
+        st.floats(1.001, 1e4), st.integers(1, 10**6),
+        st.sampled_from([{}, {"beta_fast": 32, "beta_slow": 1}, {"mscale": 1.0, "mscale_all_dim": 0.5}]),
+    ),  # fmt: skip
 }
 # Fields whose in-range values stand only beside a fitting other field (TrainConfig's rules between
 # fields: the heads a multiple of the key/value heads; test_config_validation.py refuses the rest): the

@@ -152,10 +152,10 @@ class ReferenceNeox:
 
         orig = reference_mla.rope_interleaved
 
-        def neox(x, positions, theta):
+        def neox(x, cos, sin):
             d = x.shape[-1]
             perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
-            return orig(x[..., perm], positions, theta)
+            return orig(x[..., perm], cos, sin)
 
         reference_mla.rope_interleaved = neox
         try:

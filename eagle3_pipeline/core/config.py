@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.rope_scaling import setting_problem as _rope_scaling_problem
 from eagle3_pipeline.core.schedule import SCHEDULES
 from eagle3_pipeline.core.trackers import KNOWN_LOGGERS
 
@@ -614,8 +615,14 @@ class TrainConfig(Settings):
         check=_even_problem,
     )
     intermediate_size: int = _f(18432, "Draft MLP width.", ge=1)
-    rope_theta: float = _f(
-        1e6, "Draft RoPE theta, plain RoPE for both archs (independent of the verifier's yarn RoPE).", gt=0
+    rope_theta: float = _f(1e6, "Draft RoPE theta, both archs (independent of the verifier's).", gt=0)
+    rope_scaling: str = _f(
+        "none",
+        "Draft RoPE scaling, trained with and exported for vLLM: none (plain RoPE), verifier (the verifier's "
+        "own, e.g. Kimi-K2.5's yarn factor 64 over 4096 positions) or a JSON yarn table such as "
+        '\'{"rope_type": "yarn", "factor": 64, "original_max_position_embeddings": 4096}\' (optional '
+        "beta_fast, beta_slow, mscale with mscale_all_dim).",
+        check=_rope_scaling_problem,
     )
     max_position_embeddings: int = _f(131072, "Draft max positions written to config.json.", ge=1)
     # The EAGLE-3.1 norms, all three on as in speculators (measured: docs/results.md "Ablations from the

@@ -4,9 +4,10 @@ Every silent failure mode of docs/vllm_contract.md section 3 is either made
 impossible by construction or caught by `gate` (which also runs on any folder: `05_export.py --check`):
 head_dim explicit and equal to training's; aux ids at top level and in eagle_config, equal to the
 extraction's; d2t int64 offsets equal to the vocab mapping; norm flags explicit; no `model.` prefix,
-no biases, no embed_tokens; every tensor's shape derived from the config; model_type llama; rope as
-trained. Finally the export is read back under vLLM's rules (reference_draft.py) and must reproduce the
-trained draft's logits on stored samples (tolerance below).
+no biases, no embed_tokens; every tensor's shape derived from the config; model_type llama; rope theta
+and scaling as trained (export_rope.py). Finally the export is read back under vLLM's rules
+(reference_draft.py) and must reproduce the trained draft's logits on stored samples (tolerance below),
+a scaled draft's also at positions past its original length.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.training import checkpoint, kernel_policy, parallel
-from eagle3_pipeline.core import storage
+from eagle3_pipeline.core import rope_scaling, storage
 from eagle3_pipeline.core.config import ExportConfig, provenance
-from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft
+from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft, rope_parameters_of
 from eagle3_pipeline.core.errors import DiskFull, UserError
 from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
@@ -29,6 +30,11 @@ from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.shards import load_sample, open_shards
 from eagle3_pipeline.models.verifier import draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
+from eagle3_pipeline.export_eval.export_rope import (
+    check_checkpoint_rope,
+    long_positions,
+    rope_config_problems,
+)
 from eagle3_pipeline.export_eval.export_mla import (
     mla_attention_shapes,
     mla_config_fields,
@@ -109,7 +115,7 @@ def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, An
         "hidden_act": spec.hidden_act,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": spec.rope_scaling,  # null: plain RoPE (export_rope.py)
         "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
         "draft_vocab_size": spec.draft_vocab_size,
@@ -217,8 +223,7 @@ def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     nested_fc = (config.get("eagle_config") or {}).get("norm_before_fc")
     if nested_fc is not None and nested_fc != config.get("norm_before_fc"):
         p.append(f"eagle_config.norm_before_fc {nested_fc!r} != top-level {config.get('norm_before_fc')!r}")
-    if config.get("rope_scaling") is not None:
-        p.append("rope_scaling must be null (training used plain RoPE)")
+    p += rope_config_problems(config, spec)
     trained_mask = spec.get("mask_token_id")
     if trained_mask is not None and config.get("mask_token_id") is None:
         p.append(
@@ -327,12 +332,14 @@ def readback_problems(
 ) -> tuple[list[str], dict[str, float]]:
     """Logits of the export read as vLLM reads it (reference_mla.read_export: the MLA or the llama layer)
     vs the trained model's: TTT steps 0 and 1, or for a parallel draft (an export with mask_hidden) the
-    first draft and up to 3 masked slots."""
+    first draft and up to 3 masked slots; with a RoPE scaling (trained or exported) each sample also at
+    positions spread past its original length (export_rope.long_positions)."""
     ref = read_export(export_dir, embed)
     agree = total = 0
     err_sum = scale_sum = 0.0
-    for s in samples:
-        b = pack([s], max_seq_len=10**9)
+    scalings = [ref.rope_scaling, rope_scaling.of_verifier({"rope_parameters": rope_parameters_of(model)})]
+    packed = [pack([s], max_seq_len=10**9) for s in samples]
+    for b in packed + [far for b in packed for far in long_positions(b, scalings)]:
         if ref.parallel:
             pairs = _parallel_pairs(ref, model, b, min(4, b["input_ids"].shape[1]))
         else:
@@ -381,7 +388,8 @@ def load_trained(
     vt = draft_tensors_of(Path(meta["verifier_path"]))  # (the shards' contract does not record the tie)
     attach_verifier_tensors(model, vt, t2d, d2t)
     if ckpt is not None:
-        weights, _, _ = checkpoint.load(ckpt, with_state=False)
+        weights, _, info = checkpoint.load(ckpt, with_state=False)
+        check_checkpoint_rope(info.get("rope_parameters"), rope_parameters_of(model), str(ckpt))
         unknown = set(weights) - set(dict(model.named_parameters()))
         if unknown:
             raise UserError(f"{ckpt}: unknown tensors {sorted(unknown)}")

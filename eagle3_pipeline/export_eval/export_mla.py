@@ -10,7 +10,8 @@ read-back) stays there. The items, each refused by name (docs/reference.md "The 
 - kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim and q_lora_rank (null: a plain q_proj)
   as trained: vLLM reads each with getattr(config, name, 0) and would build other shapes.
 - norm_before_fc false: deepseek_eagle3.py has no input_norm (it applies fc_norm only).
-- rope_scaling null: trained with plain RoPE; a yarn config would change vLLM's rotation and softmax scale.
+- rope_scaling as trained (export_rope.py, shared with llama): yarn changes vLLM's rotation and, for MLA,
+  its softmax scale (mscale(factor, mscale_all_dim) ** 2).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.core import rope_scaling
 from eagle3_pipeline.core.config import check_draft_shape
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models import mla_draft
@@ -54,6 +55,8 @@ class DraftSpec:
     # depths trained; None: a sequential EAGLE-3 draft. The draft then holds `mask_hidden` [1, 1, n_aux*H].
     mask_token_id: int | None = None
     parallel_k: int | None = None
+    # The RoPE scaling trained with (core/rope_scaling.py's canonical yarn table); None: plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
 
     @property
     def parallel(self) -> bool:
@@ -64,6 +67,8 @@ class DraftSpec:
         d["aux_layer_ids"] = list(self.aux_layer_ids)
         if not self.parallel:  # a sequential draft records what it always did
             del d["mask_token_id"], d["parallel_k"]
+        if self.rope_scaling is None:  # plain RoPE: recorded as runs before the setting were
+            del d["rope_scaling"]
         return d
 
     @classmethod
@@ -76,8 +81,8 @@ def spec_for_training(
 ) -> DraftSpec:
     """The draft a training run builds (stage 04) and its plan sizes: the shapes and norm flags of the
     `[train]` settings `train`, and only hidden size, vocabulary size and norm epsilon of the verifier
-    (for an MLA draft also the verifier's MLA dims that [train] leaves unset: `verifier` is then its
-    text config.json)."""
+    (for an MLA draft also the verifier's MLA dims that [train] leaves unset, and for rope_scaling
+    "verifier" the verifier's rope scaling: `verifier` is then its text config.json)."""
     arch = getattr(train, "draft_arch", "llama")
     return DraftSpec(
         **(mla_dims(train, verifier) if arch == "mla" else {}),
@@ -98,6 +103,7 @@ def spec_for_training(
         fc_norm=train.fc_norm,
         norm_output=train.norm_output,
         **parallel_settings(train, int(verifier["vocab_size"])),
+        rope_scaling=rope_scaling.resolve(getattr(train, "rope_scaling", rope_scaling.NONE), verifier),
     )
 
 
@@ -136,6 +142,8 @@ def check_spec(spec: DraftSpec) -> None:
     mask token (only the verifier's vocabulary says which ids exist) and the MLA rope dim (from the
     verifier unless set)."""
     check_draft_shape(spec)
+    if spec.rope_scaling is not None:
+        rope_scaling.canonical(spec.rope_scaling, "the draft's rope_scaling")
     if spec.draft_arch == "mla" and spec.qk_rope_head_dim % 2:
         raise UserError(f"--mla-qk-rope-head-dim {spec.qk_rope_head_dim} must be even (RoPE rotates pairs)")
     if spec.parallel and not 0 <= spec.mask_token_id < spec.vocab_size:
@@ -146,7 +154,9 @@ def check_spec(spec: DraftSpec) -> None:
 
 
 def layer_fields(spec: DraftSpec) -> dict[str, Any]:
-    """The decoder-layer config fields both draft kinds share (one layer, no biases, plain rope)."""
+    """The decoder-layer config fields both draft kinds share (one layer, no biases); the RoPE as
+    transformers 5 reads it (`rope_parameters`: plain, or yarn with its mscale, which the MLA layer
+    also applies to its softmax scale)."""
     return {
         "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_attention_heads,
@@ -158,7 +168,7 @@ def layer_fields(spec: DraftSpec) -> dict[str, Any]:
         "hidden_act": spec.hidden_act,
         "attention_bias": False,
         "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_parameters": {**(spec.rope_scaling or {"rope_type": "default"}), "rope_theta": spec.rope_theta},
     }
 
 
@@ -175,6 +185,12 @@ def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:
     if cfg.head_dim != spec.head_dim:  # guard against any library default creeping back in
         raise RuntimeError(f"decoder config head_dim {cfg.head_dim} != {spec.head_dim}")
     return cfg
+
+
+def rope_parameters_of(model: Any) -> dict[str, Any]:
+    """The RoPE the built draft rotates with, as transformers holds it (theta, and the scaling when
+    any): recorded in each checkpoint.json; stage 05 refuses a checkpoint whose record differs."""
+    return dict(model.config.transformer_layer_config.rope_parameters)
 
 
 def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:

@@ -15,8 +15,10 @@ DeepseekV3DecoderLayer (MLA attention, dense MLP for layer 0) with the EAGLE-3 f
 What transformers computes equals vLLM's MLA (checked in tests/test_mla_draft.py against our own plain
 reading of the export, models/reference_mla.py): RoPE on the last qk_rope_head_dim of each head with
 interleaved pairs (transformers `rope_interleave=True` == vLLM `is_neox_style=False`), the shared k_pe,
-softmax scale qk_head_dim ** -0.5 (plain RoPE: no yarn mscale), key width nope + rope (192 for Kimi) and
-value width v_head_dim (128): sdpa and flex take different key and value widths.
+softmax scale qk_head_dim ** -0.5 (under a yarn [train] rope_scaling the rotation is yarn's and the scale
+times mscale(factor, mscale_all_dim) ** 2, transformers' yarn_apply_mscale == vLLM's deepseek_yarn), key
+width nope + rope (192 for Kimi) and value width v_head_dim (128): sdpa and flex take different key and
+value widths.
 """
 
 from __future__ import annotations

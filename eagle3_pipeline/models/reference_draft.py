@@ -9,7 +9,9 @@ This deliberately does not use the training classes. It follows vLLM's `LlamaFor
 - d2t offsets from the file, else zeros (identity) when the draft vocab is smaller;
 - the norm flags as vLLM reads them, each default false: norm_before_residual; norm_before_fc
   (eagle_config first, then top level; weight input_norm) and fc_norm (fc_norm.<i>) before fc;
-  norm_output (the next step gets norm(out) instead of out); RoPE (neox style) from rope_theta;
+  norm_output (the next step gets norm(out) instead of out); RoPE (neox style) from rope_theta and,
+  when config.json has one, its yarn scaling (frequencies and cos/sin factor: core/rope_scaling.py,
+  read from `rope_scaling` or `rope_parameters` as vLLM reads them);
 - embed_tokens is the verifier's (the export ships none);
 - parallel drafting (served with `"parallel_drafting": true`, `llm_base_proposer.py`): `mask_token_id`
   (the first of vLLM's keys, `_init_parallel_drafting_params`) and the `mask_hidden` tensor [1, n_aux*H];
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from eagle3_pipeline.core import rope_scaling
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,7 +85,7 @@ class ReferenceDraft:
         self.kv_heads = c.get("num_key_value_heads", self.heads)
         self.head_dim = c.get("head_dim") or self.hidden // self.heads
         self.eps = c.get("rms_norm_eps", 1e-6)
-        self.rope_theta = c.get("rope_theta", 10000.0)
+        self.rope_theta, self.rope_scaling, _ = rope_scaling.served(c)
         self.norm_before_residual = bool(c.get("norm_before_residual", False))
         self.norm_before_fc = bool(_eagle_config_first(c, "norm_before_fc"))
         self.fc_norm = bool(c.get("fc_norm", False))
@@ -121,12 +125,18 @@ class ReferenceDraft:
         self.wv = w[layer + "self_attn.v_proj.weight"][:kv_rows]
         self.wo = w[layer + "self_attn.o_proj.weight"][:, :q_rows]
 
+    def _cos_sin(self, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, dim // 2] of each position's angles, times the scaling's cos/sin factor."""
+        freq = rope_scaling.inv_freq(dim, self.rope_theta, self.rope_scaling)
+        inv_freq = torch.tensor(freq, dtype=torch.float64)
+        ang = positions.double()[:, None] * inv_freq[None]
+        factor = rope_scaling.cos_sin_factor(self.rope_scaling)
+        return (ang.cos() * factor).float(), (ang.sin() * factor).float()
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Neox-style rotary embedding on [heads, T, head_dim]."""
         half = self.head_dim // 2
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
-        ang = positions.double()[:, None] * inv_freq[None]
-        cos, sin = ang.cos().float(), ang.sin().float()
+        cos, sin = self._cos_sin(positions, self.head_dim)
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

@@ -7,8 +7,10 @@ Differences from the llama reading (reference_draft.py), as vLLM computes them:
   q_a_layernorm(q_a_proj x)) (or q_proj x when q_lora_rank is null), split per head into nope | rope;
 - kv_a_proj_with_mqa x = latent | k_pe; the latent through kv_a_layernorm then kv_b_proj gives per-head
   k_nope | v; k_pe (one, shared by all heads) and q's rope part rotated with interleaved pairs (x[2i],
-  x[2i+1]): get_rope(..., is_neox_style=False); plain RoPE from rope_theta (the gate refuses rope_scaling);
-- softmax scale (qk_nope_head_dim + qk_rope_head_dim) ** -0.5; o_proj over heads x v_head_dim;
+  x[2i+1]): get_rope(..., is_neox_style=False), from rope_theta and the yarn scaling if any (frequencies
+  and cos/sin factor as the llama reading);
+- softmax scale (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, under yarn times mscale(factor,
+  mscale_all_dim) ** 2 (deepseek_v2.py's "deepseek_yarn"); o_proj over heads x v_head_dim;
 - no input_norm before fc (deepseek_eagle3.py applies fc_norm only), every other norm flag as llama's;
 - every RMSNorm with the config's rms_norm_eps, q_a_layernorm and kv_a_layernorm included.
 The cache keeps per-head keys and values (what attention sees); vLLM keeps the latent, the same maths.
@@ -20,18 +22,16 @@ from pathlib import Path
 
 import torch
 
+from eagle3_pipeline.core import rope_scaling
 from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft, _rms_norm
 
 # vLLM's registry: both names load deepseek_eagle3.Eagle3DeepseekV2ForCausalLM
 MLA_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 
-def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """GPT-J style rotary embedding on [..., T, d]: pair (x[2i], x[2i+1]) turned by pos x theta^(-2i/d)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = positions.double()[:, None] * inv_freq[None]
-    cos, sin = ang.cos().float(), ang.sin().float()
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J style rotary embedding on [..., T, d]: pair (x[2i], x[2i+1]) turned by its angle (cos and
+    sin [T, d // 2]; plain RoPE: pos x theta^(-2i/d))."""
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
 
@@ -66,18 +66,19 @@ class MlaReferenceDraft(ReferenceDraft):
     ) -> tuple[torch.Tensor, KVCache]:
         T, H = x.shape[0], self.heads
         q = self._queries(x).view(T, H, self.nope + self.rope_dim).transpose(0, 1)
-        q_pe = rope_interleaved(q[..., self.nope :], positions, self.rope_theta)
-        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
+        cos, sin = self._cos_sin(positions, self.rope_dim)
+        q = torch.cat([q[..., : self.nope], rope_interleaved(q[..., self.nope :], cos, sin)], dim=-1)
         kv_a = x @ self.wkv_a.T
         latent = _rms_norm(kv_a[:, : self.latent], self.n_kv_a, self.eps)
-        k_pe = rope_interleaved(kv_a[:, self.latent :], positions, self.rope_theta)  # [T, rope], shared
+        k_pe = rope_interleaved(kv_a[:, self.latent :], cos, sin)  # [T, rope], shared by the heads
         kv = (latent @ self.wkv_b.T).view(T, H, self.nope + self.v_dim).transpose(0, 1)
         k = torch.cat([kv[..., : self.nope], k_pe.expand(H, T, self.rope_dim)], dim=-1)
         v = kv[..., self.nope :]
         past = 0 if cache is None else cache.k.shape[1]
         if cache is not None:
             k, v = torch.cat([cache.k, k], dim=1), torch.cat([cache.v, v], dim=1)
-        scores = (q @ k.transpose(1, 2)) * (self.nope + self.rope_dim) ** -0.5
+        scale = (self.nope + self.rope_dim) ** -0.5 * rope_scaling.mla_softmax_factor(self.rope_scaling)
+        scores = (q @ k.transpose(1, 2)) * scale
         allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
         scores = scores.masked_fill(~allowed, float("-inf"))
         a = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * self.v_dim) @ self.wo.T

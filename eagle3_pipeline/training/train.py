@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.training import checkpoint, parallel, plots
-from eagle3_pipeline.core import schedule, storage, trackers
+from eagle3_pipeline.core import rope_scaling, schedule, storage, trackers
 from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.core.cli import EXIT_INTERRUPTED, progress
 from eagle3_pipeline.core.config import TrainConfig, config_to_dict, provenance
@@ -49,6 +49,7 @@ from eagle3_pipeline.models.draft import (
     DraftSpec,
     attach_verifier_tensors,
     build_draft,
+    rope_parameters_of,
     spec_for_training,
     trainable_names,
 )
@@ -138,7 +139,8 @@ def open_data(cfg: TrainConfig) -> RunData:
 def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
     meta = data.shard_set.meta
     verifier = meta["verifier"]
-    if cfg.draft_arch == "mla":  # the MLA dims [train] leaves unset come from the verifier's config.json
+    # the MLA dims [train] leaves unset, and rope_scaling "verifier", come from the verifier's config.json
+    if cfg.draft_arch == "mla" or cfg.rope_scaling == rope_scaling.VERIFIER:
         verifier = {**read_text_config(Path(cfg.verifier_path or verifier["path"])), **verifier}
     return spec_for_training(cfg, verifier, int(data.d2t.numel()), meta["aux_layer_ids"])
 
@@ -431,7 +433,8 @@ class TrainLoop:
             checkpoint.root_of(Path(self.cfg.out_dir)), self.cfg.keep_last, self.plan.save_every,
             self.plan.total_steps, self.model, self.names, self.optimizer, self.scheduler, self.dist,
             self.device, on_saved=self.on_saved,
-            facts={"micro_batches_per_step": self.dist.world * self.cfg.grad_accum},
+            facts={"micro_batches_per_step": self.dist.world * self.cfg.grad_accum,
+                   "rope_parameters": rope_parameters_of(self.model)},
         )  # fmt: skip
         self.val_loader = self._loader(
             rank_slice(micro_batches(self.data.val_refs, self.cfg.batch_tokens, self.cfg.max_seq_len,
