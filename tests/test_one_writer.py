@@ -49,7 +49,7 @@ def test_a_stage_refuses_an_output_folder_in_use_and_writes_nothing(stage, tiny_
         assert f"{out}: in use by pid {os.getpid()} on host {socket.gethostname()} since " in proc.stderr
         assert "wait for it or stop it" in proc.stderr and "Traceback" not in proc.stderr
         assert not out.exists()  # nothing written, not even the folder
-    assert storage.lock_path(out).read_text() == ""  # released: the next writer finds no stale holder
+    assert not storage.lock_path(out).exists()  # released: the next writer finds no stale holder
 
 
 def _train(tiny_run: Path, out: Path) -> list[str]:
@@ -90,5 +90,21 @@ def test_a_lock_left_by_a_killed_holder_is_taken_over_naming_it(tmp_path, caplog
     assert f'"pid": {holder.pid}' in storage.lock_path(out).read_text()  # its record is still there
     with caplog.at_level(logging.WARNING, logger="eagle3.stage"), storage.output_lock(out):
         assert f'"pid": {os.getpid()}' in storage.lock_path(out).read_text()
+    assert not storage.lock_path(out).exists()  # released cleanly: removed
     assert f"{out}: taking over a stale lock: its holder, pid {holder.pid} on host {socket.gethostname()}" \
         in caplog.text
+
+
+def test_under_torchrun_every_rank_stops_on_a_run_folder_in_use(tiny_run, tmp_path):
+    """Rank 0 takes the lock; its refusal is every rank's, so rank 1 does not wait for it at a collective."""
+    out = tmp_path / "train"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**script_env(), "OMP_NUM_THREADS": "1"}
+    with storage.output_lock(out):
+        proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", *_train(tiny_run, out)], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        said = f"[rank {rank}] error: {out}: in use by pid {os.getpid()} on host"
+        assert said in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()

@@ -403,25 +403,47 @@ def output_lock(out_dir: Path) -> Iterator[None]:
     Taken by every stage before it does any work on its output (read-only paths, --plan and a logged
     skip of a complete output, take none). An flock on `.<name>.lock` beside the folder: the kernel
     releases it when the holder dies, however it dies, so a lock file whose flock is free is stale and is
-    taken over (logged, naming the dead holder). The file stays (unlinking it would let two processes lock
-    two different files); its content, the holder's pid, host, start and command, is emptied on release.
+    taken over (logged, naming the dead holder recorded in it: pid, host, start, command). A clean release
+    removes the file, and the folders made for it when they are still empty: a refused run leaves nothing.
     A filesystem without flock support is logged and the block runs unlocked.
     """
     path = lock_path(out_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    fd = _open_locked(path, out_dir)
     try:
-        if _flock(fd, out_dir, path):
+        if fd is not None:
             _record_holder(fd, out_dir)
             _HELD_LOCKS.add(fd)
-        try:
-            yield
-        finally:
-            if fd in _HELD_LOCKS:
-                _HELD_LOCKS.discard(fd)
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)  # released cleanly: the next holder finds no stale one
+        yield
     finally:
+        if fd is not None:
+            _HELD_LOCKS.discard(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()  # while still held: a writer that opened it meanwhile retries (_open_locked)
+            os.close(fd)
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _open_locked(path: Path, out_dir: Path) -> int | None:
+    """A descriptor of `path` holding its flock; None on a filesystem without locks. A file its holder
+    removed between this open and the flock is not the lock any more: opened again."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)  # (again: a refused writer may have removed it)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _flock(fd, out_dir, path):
+                os.close(fd)
+                return None
+            held = os.fstat(fd)
+            with contextlib.suppress(FileNotFoundError):
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
 
 
