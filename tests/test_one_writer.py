@@ -54,7 +54,7 @@ def test_a_stage_refuses_an_output_folder_in_use_and_writes_nothing(stage, tiny_
 
 def _train(tiny_run: Path, out: Path) -> list[str]:
     return [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir", str(out),
-            "--max-steps", "6", "--save-every", "3", "--eval-every", "3", "--log-every", "1",
+            "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--log-every", "1",
             "--val-max-samples", "1"]  # fmt: skip
 
 
@@ -67,18 +67,7 @@ def test_two_trainings_started_together_on_one_folder_one_runs_the_other_exits_2
     winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
     assert f"{out}: in use by pid {procs[winner].pid} on host {socket.gethostname()}" in errs[loser]
     steps = [e["step"] for e in read_jsonl(out / "train_log.jsonl")]
-    assert steps == [1, 2, 3, 4, 5, 6]  # each step logged once, by the one writer
-
-
-def test_two_extractions_of_one_shard_one_runs_the_other_leaves_no_stray_files(tiny_verifier, tmp_path):
-    args = [*extract_args(tiny_verifier, CONVERSATIONS, tmp_path / "hs"), "--samples-per-file", "2"]
-    procs = [popen_script(args, REPO) for _ in range(2)]
-    errs = [p.communicate(timeout=600)[1] for p in procs]
-    assert sorted(p.returncode for p in procs) == [0, 2], [e[-1500:] for e in errs]
-    shard = tmp_path / "hs" / "rows_00000000-00000010"
-    names = sorted(p.name for p in shard.iterdir())
-    parts = [f"part-{n:05d}.safetensors" for n in range(5)]  # (each part's .json joined the manifest)
-    assert names == sorted(["COMPLETE", "manifest.json", "meta.json", "rejects.jsonl", "run.json", *parts])
+    assert steps == [1, 2, 3, 4]  # each step logged once, by the one writer
 
 
 def test_a_lock_left_by_a_killed_holder_is_taken_over_naming_it(tmp_path, caplog):

@@ -282,27 +282,33 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file_and_the_previous_one(ti
     assert _tree_bytes(run) == before  # nothing written
 
 
-def test_a_truncated_state_file_is_refused_naming_it_without_a_traceback(tiny_run, short_run, tmp_path):
-    run = tmp_path / "train"
-    shutil.copytree(short_run, run)
-    state = run / "checkpoints" / "step_000004" / "state.pt"
+def test_a_truncated_state_file_is_refused_naming_it(short_run, tmp_path):
+    """In process (a UserError is the one `error:` line and exit 2 of every stage script)."""
+    from eagle3_pipeline.core.errors import UserError
+    from eagle3_pipeline.training import checkpoint
+
+    shutil.copytree(short_run / "checkpoints", tmp_path / "checkpoints")
+    state = tmp_path / "checkpoints" / "step_000004" / "state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
-    proc = run_script(*_short_train(tiny_run, run), check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"{state}: {state.stat().st_size:,} bytes, " in proc.stderr and "(truncated" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    said = (f"{re.escape(str(state))}: {state.stat().st_size:,} bytes, .* when saved \\(truncated .* "
+            f"previous complete checkpoint is {re.escape(str(state.parent.parent / 'step_000002'))}")
+    with pytest.raises(UserError, match=said):
+        checkpoint.load(checkpoint.resolve(tmp_path / "checkpoints", "latest"))
 
 
-def test_export_of_a_corrupt_checkpoint_is_refused(short_run, tmp_path):
+def test_export_of_a_corrupt_checkpoint_is_refused_writing_nothing(short_run, tmp_path):
+    from eagle3_pipeline.core.config import ExportConfig
+    from eagle3_pipeline.core.errors import UserError
+    from eagle3_pipeline.export_eval import export
+
     run = tmp_path / "train"
     shutil.copytree(short_run, run)
     _flip_bytes(run / "checkpoints" / "step_000004" / "model.safetensors")
-    proc = run_script(script("05_export.py"), "--train-dir", str(run), "--out-dir", str(tmp_path / "draft"),
-                      "--checkpoint", "latest", check=False)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"{run / 'checkpoints' / 'step_000004' / 'model.safetensors'}: sha256 " in proc.stderr
-    assert "05_export.py --checkpoint step_000002" in proc.stderr
-    assert not (tmp_path / "draft").exists() and not (tmp_path / "draft.tmp").exists()
+    cfg = ExportConfig(train_dir=str(run), checkpoint="latest", out_dir=str(tmp_path / "draft"))
+    said = "step_000004/model.safetensors: sha256 .* 05_export.py --checkpoint step_000002"
+    with pytest.raises(UserError, match=said):
+        export.run(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]  # no export folder, no lock file
 
 
 def test_a_checkpoint_without_digests_loads_and_an_unreadable_one_is_refused(short_run, tmp_path, caplog):
