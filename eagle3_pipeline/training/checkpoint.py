@@ -109,14 +109,14 @@ def save(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        storage.save_safetensors_atomic(
-            {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE
-        )
-        storage.torch_save_atomic(train_state, tmp / STATE_FILE)
-        files = {
-            name: {"sha256": storage.sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-            for name in (WEIGHTS_FILE, STATE_FILE)
+        digests = {
+            WEIGHTS_FILE: storage.save_safetensors_atomic(
+                {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE
+            )
         }
+        storage.torch_save_atomic(train_state, tmp / STATE_FILE)
+        digests[STATE_FILE] = storage.sha256_file(tmp / STATE_FILE)
+        files = {n: {"sha256": d, "bytes": (tmp / n).stat().st_size} for n, d in digests.items()}
         storage.write_json_atomic(tmp / INFO_FILE, {"step": step, **info, FILES_KEY: files})
     except DiskFull:  # drop the unfinished checkpoint (it never counted) to free its space
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,7 +203,9 @@ def verify(ckpt: Path, names: tuple[str, ...] = (WEIGHTS_FILE, STATE_FILE)) -> d
         log.warning("%s: saved without file digests (an older version): its bytes cannot be checked", ckpt)
         return info
     for name in names:
-        path, want = ckpt / name, recorded[name]
+        path, want = ckpt / name, recorded.get(name)
+        if want is None:
+            raise _refuse(info_file, f"records no digest of {name}")
         if not path.is_file():
             raise _refuse(path, "missing")
         size = path.stat().st_size
