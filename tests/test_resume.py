@@ -219,6 +219,7 @@ def test_a_checkpoint_saved_on_a_gpu_loads_to_cpu(tiny_run, tmp_path):
         torch.save(state, ckpt / "state.pt")
     finally:
         ser._package_registry[:] = [p for p in ser._package_registry if p[1] is not as_cuda]
+    _record_digests(ckpt)  # the rewritten state.pt is this test's, not a corruption
     if not torch.cuda.is_available():  # the file is a GPU run's: loading it as saved needs CUDA
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(ckpt / "state.pt", weights_only=False)
@@ -229,3 +230,100 @@ def test_a_checkpoint_saved_on_a_gpu_loads_to_cpu(tiny_run, tmp_path):
 
     assert moments(loaded) and all(t.device.type == "cpu" for t in moments(loaded))
     assert all(torch.equal(a, b) for a, b in zip(moments(loaded), moments(state), strict=True))
+
+
+def _record_digests(ckpt: Path) -> None:
+    """checkpoint.json records the files as they are now (a test's own rewrite of one of them)."""
+    from eagle3_pipeline.core import storage
+    from eagle3_pipeline.training import checkpoint
+
+    info = json.loads((ckpt / checkpoint.INFO_FILE).read_text())
+    info[checkpoint.FILES_KEY] = {
+        name: {"sha256": storage.sha256_file(ckpt / name), "bytes": (ckpt / name).stat().st_size}
+        for name in (checkpoint.WEIGHTS_FILE, checkpoint.STATE_FILE)
+    }
+    (ckpt / checkpoint.INFO_FILE).write_text(json.dumps(info))
+
+
+@pytest.fixture(scope="module")
+def short_run(tiny_run, tmp_path_factory) -> Path:
+    """A 4-step run of the tiny draft with checkpoints step_000002 and step_000004 (read only: copy it)."""
+    out = tmp_path_factory.mktemp("short") / "train"
+    run_script(*_short_train(tiny_run, out))
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+    return out
+
+
+def _short_train(tiny_run: Path, out: Path) -> list[str]:
+    return [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir", str(out),
+            "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--keep-last", "5",
+            "--val-max-samples", "1"]  # fmt: skip
+
+
+def _flip_bytes(path: Path, n: int = 8) -> None:
+    """Flip `n` bytes in the middle of a file (a tensor's bytes in a safetensors file this size)."""
+    raw = bytearray(path.read_bytes())
+    mid = len(raw) // 2
+    raw[mid : mid + n] = bytes(b ^ 0xFF for b in raw[mid : mid + n])
+    path.write_bytes(bytes(raw))
+
+
+def test_a_corrupt_checkpoint_is_refused_naming_the_file_and_the_previous_one(tiny_run, short_run, tmp_path):
+    run = tmp_path / "train"
+    shutil.copytree(short_run, run)
+    latest = run / "checkpoints" / "step_000004"
+    _flip_bytes(latest / "model.safetensors")
+    before = _tree_bytes(run)
+    proc = run_script(*_short_train(tiny_run, run), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{latest / 'model.safetensors'}: sha256 " in proc.stderr and "the file is corrupt" in proc.stderr
+    assert f"the previous complete checkpoint is {run / 'checkpoints' / 'step_000002'}" in proc.stderr
+    assert f"rm -rf {latest}" in proc.stderr and "Traceback" not in proc.stderr
+    assert _tree_bytes(run) == before  # nothing written
+
+
+def test_a_truncated_state_file_is_refused_naming_it(short_run, tmp_path):
+    """In process (a UserError is the one `error:` line and exit 2 of every stage script)."""
+    from eagle3_pipeline.core.errors import UserError
+    from eagle3_pipeline.training import checkpoint
+
+    shutil.copytree(short_run / "checkpoints", tmp_path / "checkpoints")
+    state = tmp_path / "checkpoints" / "step_000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    said = (f"{re.escape(str(state))}: {state.stat().st_size:,} bytes, .* when saved \\(truncated .* "
+            f"previous complete checkpoint is {re.escape(str(state.parent.parent / 'step_000002'))}")
+    with pytest.raises(UserError, match=said):
+        checkpoint.load(checkpoint.resolve(tmp_path / "checkpoints", "latest"))
+
+
+def test_export_of_a_corrupt_checkpoint_is_refused_writing_nothing(short_run, tmp_path):
+    from eagle3_pipeline.core.config import ExportConfig
+    from eagle3_pipeline.core.errors import UserError
+    from eagle3_pipeline.export_eval import export
+
+    run = tmp_path / "train"
+    shutil.copytree(short_run, run)
+    _flip_bytes(run / "checkpoints" / "step_000004" / "model.safetensors")
+    cfg = ExportConfig(train_dir=str(run), checkpoint="latest", out_dir=str(tmp_path / "draft"))
+    said = "step_000004/model.safetensors: sha256 .* 05_export.py --checkpoint step_000002"
+    with pytest.raises(UserError, match=said):
+        export.run(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]  # no export folder, no lock file
+
+
+def test_a_checkpoint_without_digests_loads_and_an_unreadable_one_is_refused(short_run, tmp_path, caplog):
+    """Checkpoints saved before the digests were recorded resume (with a warning); one whose file no
+    longer parses is still a UserError naming it."""
+    from eagle3_pipeline.core.errors import UserError
+    from eagle3_pipeline.training import checkpoint
+
+    ckpt = tmp_path / "step_000004"
+    shutil.copytree(short_run / "checkpoints" / "step_000004", ckpt)
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    del info["files"]
+    (ckpt / "checkpoint.json").write_text(json.dumps(info))
+    weights, state, _ = checkpoint.load(ckpt)
+    assert weights and state is not None and "saved without file digests" in caplog.text
+    (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(UserError, match=r"model\.safetensors: unreadable \(.*no earlier complete checkpoint"):
+        checkpoint.load(ckpt)

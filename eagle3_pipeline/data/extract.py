@@ -15,6 +15,7 @@ block that was in flight, and the result is byte-identical to an uninterrupted r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -71,11 +72,19 @@ def run(cfg: ExtractConfig) -> int:
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
         log.info("%d shards of %d rows in [%d, %d), one verifier load", len(ranges), step, start, end)
+    to_write = [s for s in (Path(cfg.out_dir) / shard_name(a, b) for a, b in ranges)
+                if cfg.overwrite or not storage.is_complete(s)]  # fmt: skip
+    with contextlib.ExitStack() as held:
+        for shard in to_write:  # this process the one writer of each shard it writes, before any work
+            held.enter_context(storage.output_lock(shard))
+        return _run_shards(cfg, facts, aux_ids, ranges, bool(to_write))
+
+
+def _run_shards(cfg: ExtractConfig, facts: Any, aux_ids: list[int], ranges: list[tuple[int, int]],
+                work: bool) -> int:  # fmt: skip
     loaded: dict[str, Any] = {}  # the verifier (hf: loaded by the first shard with work to do), renderer
     try:
-        if any(
-            cfg.overwrite or not storage.is_complete(Path(cfg.out_dir) / shard_name(a, b)) for a, b in ranges
-        ):
+        if work:
             from eagle3_pipeline.data.extract_render import Renderer
 
             loaded["renderer"] = Renderer(cfg)  # starts now: it loads the tokenizer while the verifier loads

@@ -218,8 +218,6 @@ def _next(messages: list[dict[str, str]], start: int) -> int | None:
 
 
 def run(cfg: RegenerateConfig) -> int:
-    from transformers import AutoTokenizer
-
     data_path, verifier_path, out_dir = Path(cfg.data_path), Path(cfg.verifier_path), Path(cfg.out_dir)
     if not data_path.exists():
         raise UserError(f"{data_path}: data not found (--data-path)")
@@ -227,6 +225,13 @@ def run(cfg: RegenerateConfig) -> int:
     if storage.is_complete(out_dir) and not cfg.overwrite:
         storage.log_skip(out_dir)
         return 0
+    with storage.output_lock(out_dir):  # the one writer of out_dir, before any work
+        return _regenerate(cfg, data_path, verifier_path, out_dir)
+
+
+def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)
     stop_ids = end_token_ids(verifier_path, tokenizer)
@@ -248,7 +253,8 @@ def run(cfg: RegenerateConfig) -> int:
                                          "rows_per_part", "data_split", "chat_template_kwargs")},
     }  # fmt: skip
     with storage.overwriting(out_dir, cfg.overwrite):  # the old output stays until the new one is complete
-        parts.open_output(out_dir, cfg.overwrite, settings)
+        if not parts.open_output(out_dir, cfg.overwrite, settings):  # finished by a writer just gone
+            return 0
         blocks = parts.blocks(0, total, cfg.rows_per_part)
         todo = parts.todo(out_dir, blocks, _part)
         log.info(

@@ -13,9 +13,11 @@ when it is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,15 +117,19 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
     return ShardSet(shards, first, samples)
 
 
-def open_for_output(data_dirs: list[str], out_dir: Path, overwrite: bool) -> ShardSet | None:
+@contextlib.contextmanager
+def open_for_output(data_dirs: list[str], out_dir: Path, overwrite: bool) -> Iterator[ShardSet | None]:
     """What stages 02 and 03 do first: None (a logged skip) when `out_dir` is complete and not
-    `overwrite`; else the shards, opened and checked before an unfinished output is removed."""
+    `overwrite`; else, this process the one writer of `out_dir` for the block (storage.output_lock),
+    the shards, opened and checked before an unfinished output is removed."""
     if storage.is_complete(out_dir) and not overwrite:
         storage.log_skip(out_dir)
-        return None
-    shard_set = open_shards(data_dirs)
-    storage.prepare_output_dir(out_dir, overwrite)
-    return shard_set
+        yield None
+        return
+    with storage.output_lock(out_dir):
+        shard_set = open_shards(data_dirs)
+        storage.prepare_output_dir(out_dir, overwrite)
+        yield shard_set
 
 
 def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:

@@ -46,34 +46,34 @@ def split_samples(
 
 def run(cfg: SplitConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    shard_set = open_for_output(cfg.data_dir, out_dir, cfg.overwrite)
-    if shard_set is None:
+    with open_for_output(cfg.data_dir, out_dir, cfg.overwrite) as shard_set:
+        if shard_set is None:
+            return 0
+        train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
+        tmp = storage.fresh_tmp_dir(out_dir)
+        storage.write_json_atomic(
+            tmp / SPLIT_FILE, {"train": [s.sample_id for s in train], "val": [s.sample_id for s in val]}
+        )
+        meta = {
+            "stage": "03_split_data",
+            "num_train": len(train),
+            "num_val": len(val),
+            "train_tokens": sum(s.num_tokens for s in train),
+            "val_tokens": sum(s.num_tokens for s in val),
+            "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
+            **shard_set.made_from(),
+            **provenance(cfg),
+        }
+        storage.publish_dir(tmp, out_dir, meta)
+        log.info(
+            "done %s | train %d conversations (%d tokens) | val %d (%d tokens)",
+            out_dir,
+            len(train),
+            meta["train_tokens"],
+            len(val),
+            meta["val_tokens"],
+        )
         return 0
-    train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
-    tmp = storage.fresh_tmp_dir(out_dir)
-    storage.write_json_atomic(
-        tmp / SPLIT_FILE, {"train": [s.sample_id for s in train], "val": [s.sample_id for s in val]}
-    )
-    meta = {
-        "stage": "03_split_data",
-        "num_train": len(train),
-        "num_val": len(val),
-        "train_tokens": sum(s.num_tokens for s in train),
-        "val_tokens": sum(s.num_tokens for s in val),
-        "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
-        **shard_set.made_from(),
-        **provenance(cfg),
-    }
-    storage.publish_dir(tmp, out_dir, meta)
-    log.info(
-        "done %s | train %d conversations (%d tokens) | val %d (%d tokens)",
-        out_dir,
-        len(train),
-        meta["train_tokens"],
-        len(val),
-        meta["val_tokens"],
-    )
-    return 0
 
 
 def load_split(split_dir: Path, samples: list[SampleRef]) -> tuple[list[SampleRef], list[SampleRef]]:

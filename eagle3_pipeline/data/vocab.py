@@ -49,46 +49,48 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.
 
 def run(cfg: VocabConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    shard_set = open_for_output(cfg.data_dir, out_dir, cfg.overwrite)
-    if shard_set is None:
+    with open_for_output(cfg.data_dir, out_dir, cfg.overwrite) as shard_set:
+        if shard_set is None:
+            return 0
+        vocab_size = shard_set.meta["verifier"]["vocab_size"]
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for ids, mask in iter_part_tokens(shard_set.shards):
+            ids = ids.to(torch.int64)
+            if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise UserError(f"token id out of range [0, {vocab_size}) in {shard_set.shards}")
+            counts += torch.bincount(ids[mask.bool()], minlength=vocab_size)
+        selected = select_draft_vocab(counts, cfg.draft_vocab_size)
+        d2t, t2d = mappings(selected, vocab_size)
+        total = int(counts.sum())
+        covered = int(counts[selected].sum())
+        coverage = covered / max(total, 1)
+        tmp = storage.fresh_tmp_dir(out_dir)
+        digest = storage.save_safetensors_atomic(
+            {"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE
+        )
+        meta = {
+            "stage": "02_build_vocab_mapping",
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "vocab_size": vocab_size,
+            "loss_tokens": total,
+            "covered_loss_tokens": covered,
+            "coverage": coverage,
+            "distinct_loss_tokens": int((counts > 0).sum()),
+            "mapping_sha256": digest,
+            **shard_set.made_from(),
+            **provenance(cfg),
+        }
+        storage.publish_dir(tmp, out_dir, meta)
+        log.info(
+            "done %s | draft vocab %d of %d | coverage %.4f of %d loss-masked target tokens (%d distinct)",
+            out_dir,
+            cfg.draft_vocab_size,
+            vocab_size,
+            coverage,
+            total,
+            meta["distinct_loss_tokens"],
+        )
         return 0
-    vocab_size = shard_set.meta["verifier"]["vocab_size"]
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ids, mask in iter_part_tokens(shard_set.shards):
-        ids = ids.to(torch.int64)
-        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise UserError(f"token id out of range [0, {vocab_size}) in {shard_set.shards}")
-        counts += torch.bincount(ids[mask.bool()], minlength=vocab_size)
-    selected = select_draft_vocab(counts, cfg.draft_vocab_size)
-    d2t, t2d = mappings(selected, vocab_size)
-    total = int(counts.sum())
-    covered = int(counts[selected].sum())
-    coverage = covered / max(total, 1)
-    tmp = storage.fresh_tmp_dir(out_dir)
-    digest = storage.save_safetensors_atomic({"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE)
-    meta = {
-        "stage": "02_build_vocab_mapping",
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "vocab_size": vocab_size,
-        "loss_tokens": total,
-        "covered_loss_tokens": covered,
-        "coverage": coverage,
-        "distinct_loss_tokens": int((counts > 0).sum()),
-        "mapping_sha256": digest,
-        **shard_set.made_from(),
-        **provenance(cfg),
-    }
-    storage.publish_dir(tmp, out_dir, meta)
-    log.info(
-        "done %s | draft vocab %d of %d | coverage %.4f of %d loss-masked target tokens (%d distinct)",
-        out_dir,
-        cfg.draft_vocab_size,
-        vocab_size,
-        coverage,
-        total,
-        meta["distinct_loss_tokens"],
-    )
-    return 0
 
 
 def load_mapping(mapping_dir: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -239,13 +239,19 @@ def served_as_exported(cfg: EvaluateConfig, served: dict[str, Any], export_meta:
 
 
 def run(cfg: EvaluateConfig) -> int:
+    draft_dir = Path(cfg.draft_dir)
+    if not (draft_dir / "config.json").is_file():
+        raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
+    # the one writer of the folder its result goes into (the export folder, or --out-dir), before any work
+    with storage.output_lock(Path(cfg.out_dir) if cfg.out_dir else draft_dir):
+        return _evaluate(cfg, draft_dir)
+
+
+def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.vllm_side import vllm_engine
 
-    draft_dir = Path(cfg.draft_dir)
-    if not (draft_dir / "config.json").is_file():
-        raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
     export_meta = draft_dir / "export_meta.json"
     recorded = storage.read_json(export_meta) if export_meta.exists() else {}
     cfg = served_as_exported(cfg, recorded.get("served") or {}, export_meta)

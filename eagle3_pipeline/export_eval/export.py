@@ -467,13 +467,18 @@ def serve_line(
 
 
 def run(cfg: ExportConfig) -> int:
-    import json
-    import shutil
-
     out_dir = Path(cfg.out_dir)
     if storage.is_complete(out_dir) and not cfg.overwrite:
         log.info("skip: %s is a complete export (use --overwrite to replace it)", out_dir)
         return 0
+    with storage.output_lock(out_dir):  # the one writer of the export folder, before any work
+        return _export(cfg, out_dir)
+
+
+def _export(cfg: ExportConfig, out_dir: Path) -> int:
+    import json
+    import shutil
+
     ckpt, meta, model, vt, d2t, t2d = load_trained(Path(cfg.train_dir), cfg.checkpoint)
     spec = DraftSpec.from_json(meta["draft"])
     vcfg = json.loads((Path(meta["verifier_path"]) / "config.json").read_text())

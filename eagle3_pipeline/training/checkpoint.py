@@ -2,7 +2,9 @@
 
 `<run>/checkpoints/step_000400/` holds model.safetensors (trainable weights only: the verifier's
 tensors are reloaded from the verifier), state.pt (optimizer, scheduler, RNG states) and checkpoint.json
-(step, validation metrics); it is built as `step_000400.tmp` and renamed after COMPLETE is written.
+(step, validation metrics, and the sha256 and size of the two others under "files"); it is built as
+`step_000400.tmp` and renamed after COMPLETE is written. `load` checks the files against those digests: a
+corrupt, truncated or unreadable file is a UserError naming it and the previous complete checkpoint.
 A full disk while saving is a UserError naming the file and the bytes; the unfinished `.tmp` folder is
 deleted, so the latest complete checkpoint is still the one a rerun resumes from.
 """
@@ -25,6 +27,10 @@ from eagle3_pipeline.core.errors import DiskFull, UserError
 log = logging.getLogger("eagle3.checkpoint")
 
 BEST_FILE = "best.json"
+WEIGHTS_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+INFO_FILE = "checkpoint.json"  # written last: it records the digests of the others (FILES_KEY)
+FILES_KEY = "files"
 DIR_NAME = "checkpoints"  # inside a training run's --out-dir
 
 
@@ -103,11 +109,15 @@ def save(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        storage.save_safetensors_atomic(
-            {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "model.safetensors"
-        )
-        storage.torch_save_atomic(train_state, tmp / "state.pt")
-        storage.write_json_atomic(tmp / "checkpoint.json", {"step": step, **info})
+        digests = {
+            WEIGHTS_FILE: storage.save_safetensors_atomic(
+                {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE
+            )
+        }
+        storage.torch_save_atomic(train_state, tmp / STATE_FILE)
+        digests[STATE_FILE] = storage.sha256_file(tmp / STATE_FILE)
+        files = {n: {"sha256": d, "bytes": (tmp / n).stat().st_size} for n, d in digests.items()}
+        storage.write_json_atomic(tmp / INFO_FILE, {"step": step, **info, FILES_KEY: files})
     except DiskFull:  # drop the unfinished checkpoint (it never counted) to free its space
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -159,16 +169,76 @@ def resolve(root: Path, which: str) -> Path:
     return p
 
 
+def _previous(ckpt: Path) -> Path | None:
+    """The complete checkpoint saved before `ckpt`, if any."""
+    before = [c for c in complete_checkpoints(ckpt.parent) if c.name < ckpt.name]
+    return before[-1] if before else None
+
+
+def _refuse(path: Path, problem: str) -> UserError:
+    """A checkpoint file that cannot be used: named, with what is wrong and the way back."""
+    ckpt = path.parent
+    prev = _previous(ckpt)
+    if prev is None:
+        way = (f"no earlier complete checkpoint; delete it (rm -rf {ckpt}) and rerun to train from the start "
+               "(or rerun 04_train.py with --overwrite)")  # fmt: skip
+    else:
+        way = (f"the previous complete checkpoint is {prev}: delete this one (rm -rf {ckpt}) and rerun the "
+               f"same command to resume from it, or export it with 05_export.py --checkpoint {prev.name}")
+    return UserError(f"{path}: {problem}; {way}")
+
+
+def verify(ckpt: Path, names: tuple[str, ...] = (WEIGHTS_FILE, STATE_FILE)) -> dict[str, Any]:
+    """checkpoint.json, after checking `names` against the size and sha256 it records (a file changed,
+    truncated or missing since the save is refused). A checkpoint saved before the digests were recorded
+    is used as it is, with a warning: refusing it would strand every run in progress, and loading it still
+    catches a truncated or unreadable file (`load`)."""
+    info_file = ckpt / INFO_FILE
+    try:
+        info = storage.read_json(info_file)
+    except UserError as e:
+        raise _refuse(info_file, str(e).removeprefix(f"{info_file}: ")) from None
+    recorded = info.get(FILES_KEY)
+    if recorded is None:
+        log.warning("%s: saved without file digests (an older version): its bytes cannot be checked", ckpt)
+        return info
+    for name in names:
+        path, want = ckpt / name, recorded.get(name)
+        if want is None:
+            raise _refuse(info_file, f"records no digest of {name}")
+        if not path.is_file():
+            raise _refuse(path, "missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise _refuse(path, f"{size:,} bytes, {want['bytes']:,} when saved (truncated or overwritten)")
+        digest = storage.sha256_file(path)
+        if digest != want["sha256"]:
+            raise _refuse(path, f"sha256 {digest[:16]}... differs from the {want['sha256'][:16]}... "
+                                f"recorded in {INFO_FILE} at the save: the file is corrupt")  # fmt: skip
+    return info
+
+
 def load(
     ckpt: Path, with_state: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dict[str, Any]]:
+    """(weights, train state or None, checkpoint.json) of a checkpoint, verified first (`verify`)."""
     from safetensors.torch import load_file
 
-    weights = load_file(str(ckpt / "model.safetensors"))
-    # to CPU: the tensors name the device they were saved from (rank 0's GPU); a resume elsewhere, or every
-    # rank of a torchrun loading onto cuda:0, would fail or crowd one GPU (load_state_dict moves them after)
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False) if with_state else None
-    return weights, state, storage.read_json(ckpt / "checkpoint.json")
+    info = verify(ckpt, (WEIGHTS_FILE, STATE_FILE) if with_state else (WEIGHTS_FILE,))
+    try:
+        weights = load_file(str(ckpt / WEIGHTS_FILE))
+    except Exception as e:  # noqa: BLE001 - any reader failure: the file, not the code
+        raise _refuse(ckpt / WEIGHTS_FILE, f"unreadable ({type(e).__name__}: {e})") from None
+    state = None
+    if with_state:
+        # to CPU: the tensors name the device they were saved from (rank 0's GPU); a resume elsewhere, or
+        # every rank of a torchrun loading onto cuda:0, would fail or crowd one GPU (load_state_dict moves
+        # them after)
+        try:
+            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any reader failure: the file, not the code
+            raise _refuse(ckpt / STATE_FILE, f"unreadable ({type(e).__name__}: {e})") from None
+    return weights, state, info
 
 
 @dataclass

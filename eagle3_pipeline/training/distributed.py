@@ -17,6 +17,7 @@ on every node resumes from the last complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
@@ -26,12 +27,14 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.errors import UserError
 
 log = logging.getLogger("eagle3.train")
@@ -84,6 +87,26 @@ def _this_host() -> tuple[str, list[str]]:
     except OSError:
         ips = []
     return name, ips
+
+
+@contextlib.contextmanager
+def rank0_output_lock(out_dir: Path, dist: Dist) -> Iterator[None]:
+    """Rank 0 the one writer of the run folder for the block (storage.output_lock); its refusal is every
+    rank's, so none waits at a collective for a rank 0 that has stopped."""
+    with contextlib.ExitStack() as held:
+        refused: str | None = None
+        if dist.rank == 0:
+            try:
+                held.enter_context(storage.output_lock(out_dir))
+            except UserError as e:
+                refused = str(e)
+        if dist.enabled:
+            said = [refused]
+            torch.distributed.broadcast_object_list(said, src=0)
+            refused = said[0]
+        if refused is not None:
+            raise UserError(refused)
+        yield
 
 
 def check_run_dir(out_dir: Path, resume_from: Path | None, dist: Dist) -> Path | None:

@@ -43,6 +43,7 @@ from eagle3_pipeline.training.distributed import (
     check_run_dir,
     init_distributed,
     lost_rank_error,
+    rank0_output_lock,
     rank_slice,
 )
 from eagle3_pipeline.models.draft import (
@@ -288,9 +289,16 @@ def restore(
 
 
 def run(cfg: TrainConfig) -> int:
-    """Every check and every input first (nothing written), then the run folder, then the steps."""
+    """Every check and every input first (nothing written), then the run folder, then the steps; rank 0
+    the one writer of the run folder from the start (a skip of a finished run too: it reads checkpoints
+    a writer would be pruning)."""
     trackers.check_loggers(cfg.loggers)  # a tracker whose package is missing stops the run before any work
     dist, device = init_distributed(cfg.dist_timeout_s)
+    with rank0_output_lock(Path(cfg.out_dir), dist):
+        return _run(cfg, dist, device)
+
+
+def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
     torch.manual_seed(cfg.seed)
     data = open_data(cfg)
     spec = draft_spec(cfg, data)
