@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -63,6 +64,7 @@ from eagle3_pipeline.training.train_metrics import (
     accumulate,
     forward,
     log_validation,
+    non_finite_slots,
     summarize,
     validate,
     with_state_noise,
@@ -471,10 +473,13 @@ class TrainLoop:
         self, it: Any, sums: dict[str, float], step: int, count: EpochCount
     ) -> tuple[float, int]:
         """grad_accum micro-batches (padding past the epoch's last: weight 0), clip, step; (gradient norm,
-        tokens seen by all ranks)."""
+        tokens seen by all ranks). A step whose loss (on any rank) or gradient norm is NaN or Inf is not
+        applied: the run stops with a UserError naming the step and its samples (`_non_finite`)."""
         cfg, ep, in_epoch = self.cfg, count.plan, step - count.epoch_start
         self.optimizer.zero_grad(set_to_none=True)
         tokens = 0
+        # per slot of the step (micro x world + rank): its loss is not finite; set on the device, no sync
+        flags = torch.zeros(cfg.grad_accum * self.dist.world, device=self.device)
         for micro in range(cfg.grad_accum):
             refs, batch = next(it) if ep.is_real(in_epoch, micro) else (None, _padding(self))
             if cfg.state_noise:
@@ -483,6 +488,7 @@ class TrainLoop:
             loss, metrics = forward(
                 self.ddp_model, batch, self.recipe, self.device, self.autocast_dtype, self.kern
             )
+            flags[micro * self.dist.world + self.dist.rank] = (~torch.isfinite(loss.detach())).any()
             count.add(refs, batch)
             if refs is None:
                 (loss * 0.0).backward()  # DDP's all-reduce needs this rank's backward; it adds nothing
@@ -491,10 +497,45 @@ class TrainLoop:
             (loss / ep.loss_divisor(in_epoch)).backward()
             accumulate(sums, metrics)
             tokens += int(batch["input_ids"].numel()) * self.dist.world
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # global under DDP
+        bad_slots = non_finite_slots(flags, self.dist)  # every rank the same: all stop, none waits
+        if bad_slots or not math.isfinite(float(grad_norm)):
+            raise self._non_finite(step, ep, in_epoch, bad_slots, float(grad_norm))
         self.optimizer.step()
         self.scheduler.step()
         return float(grad_norm), tokens
+
+    def _non_finite(
+        self, step: int, ep: EpochPlan, in_epoch: int, bad_slots: list[int], grad_norm: float
+    ) -> UserError:
+        """Why step `step` (0-based) was not applied: its samples (every rank's; those of the micro-batches
+        whose loss was not finite first, with their part files), the last complete checkpoint, what to do.
+        Stop, not skip: a skipped step would train on without its samples, and the same data diverges
+        again at the same step of a rerun."""
+        slots = range(self.cfg.grad_accum * self.dist.world)
+        refs = {i: self._slot_refs(ep, in_epoch, i) for i in slots}
+        suspects = [r for i in bad_slots for r in refs[i]]
+        named = suspects or [r for i in slots for r in refs[i]]
+        where = sorted({f"{r.shard}/{r.file}" for r in named})
+        last = checkpoint.latest(checkpoint.root_of(Path(self.cfg.out_dir)))
+        what = f"loss not finite in {len(bad_slots)} micro-batch(es)" if bad_slots else "loss finite"
+        return UserError(
+            f"step {step + 1}: NaN or Inf ({what}, gradient norm {grad_norm}): the step was not applied and "
+            f"the run stops (a non-finite step is never skipped). "
+            f"{'Samples of the non-finite loss' if suspects else 'Samples of the step'}: "
+            f"{[r.sample_id for r in named]} (in {', '.join(where)}). The last complete checkpoint is kept: "
+            f"{last if last is not None else 'none yet'}. To go on: look for NaN/Inf in those samples' "
+            "states; a bad sample's shard re-extracted (stage 01 rejects non-finite states) changes the "
+            "samples, so rerun stages 02-04 with --overwrite; with finite states the training diverged: "
+            "rerun with a lower --lr or --grad-clip and --overwrite or another --out-dir"
+        )
+
+    def _slot_refs(self, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
+        """The samples a slot (micro x world + rank) of a step of the epoch trained: its micro-batch, or
+        past the epoch's last the padding micro-batch's sample (the run's first)."""
+        micro, rank = divmod(slot, self.dist.world)
+        i = ep.global_index(in_epoch, micro, rank)
+        return ep.batches[i] if i < len(ep.batches) else self.data.train_refs[:1]
 
     def run(self, prog: Progress) -> int:
         cfg, plan = self.cfg, self.plan
