@@ -126,6 +126,7 @@ def test_a_non_finite_step_stops_training_naming_step_and_samples_and_keeps_the_
     said = proc.stderr[-3000:]
     assert "error: step 2: NaN or Inf" in proc.stderr and repr(bad.sample_id) in proc.stderr, said
     assert "kept: " + str(out / "checkpoints" / "step_000001") in proc.stderr, said
+    assert f"NaN/Inf states in sample {bad.sample_id!r} (1 in {shard / bad.file})" in proc.stderr, said
     assert "Traceback" not in proc.stderr, said
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000001"]

@@ -57,7 +57,7 @@ from eagle3_pipeline.training.epochs import EpochCount, EpochPlan, padding_of
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.training.online import NoServerLeft
 from eagle3_pipeline.data.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
-from eagle3_pipeline.data.shards import SampleRef, ShardSet, has_states, open_shards
+from eagle3_pipeline.data.shards import SampleRef, ShardSet, has_states, load_sample, open_shards
 from eagle3_pipeline.data.split import load_split, split_samples
 from eagle3_pipeline.training.train_metrics import (
     Recipe,
@@ -509,25 +509,34 @@ class TrainLoop:
         self, step: int, ep: EpochPlan, in_epoch: int, bad_slots: list[int], grad_norm: float
     ) -> UserError:
         """Why step `step` (0-based) was not applied: its samples (every rank's; those of the micro-batches
-        whose loss was not finite first, with their part files), the last complete checkpoint, what to do.
-        Stop, not skip: a skipped step would train on without its samples, and the same data diverges
-        again at the same step of a rerun."""
+        whose loss was not finite, if any), which of them hold non-finite states (read again from the
+        shards), the last complete checkpoint, what to do. Stop, not skip: a skipped step would train on
+        without its samples unnoticed, and a rerun meets the same NaN at the same step."""
         slots = range(self.cfg.grad_accum * self.dist.world)
         refs = {i: self._slot_refs(ep, in_epoch, i) for i in slots}
-        suspects = [r for i in bad_slots for r in refs[i]]
-        named = suspects or [r for i in slots for r in refs[i]]
-        where = sorted({f"{r.shard}/{r.file}" for r in named})
+        named = [r for i in (bad_slots or slots) for r in refs[i]]
         last = checkpoint.latest(checkpoint.root_of(Path(self.cfg.out_dir)))
-        what = f"loss not finite in {len(bad_slots)} micro-batch(es)" if bad_slots else "loss finite"
-        return UserError(
+        what = f"the loss of {len(bad_slots)} micro-batch(es)" if bad_slots else "finite loss"
+        head = (
             f"step {step + 1}: NaN or Inf ({what}, gradient norm {grad_norm}): the step was not applied and "
-            f"the run stops (a non-finite step is never skipped). "
-            f"{'Samples of the non-finite loss' if suspects else 'Samples of the step'}: "
-            f"{[r.sample_id for r in named]} (in {', '.join(where)}). The last complete checkpoint is kept: "
-            f"{last if last is not None else 'none yet'}. To go on: look for NaN/Inf in those samples' "
-            "states; a bad sample's shard re-extracted (stage 01 rejects non-finite states) changes the "
-            "samples, so rerun stages 02-04 with --overwrite; with finite states the training diverged: "
-            "rerun with a lower --lr or --grad-clip and --overwrite or another --out-dir"
+            f"the run stops (never skipped); its samples{' of that loss' if bad_slots else ''}: "
+            f"{[r.sample_id for r in named]}; the last complete checkpoint is kept: "
+            f"{last if last is not None else 'none yet'}. "
+        )
+        if self.online is not None:  # states asked of the servers: nothing here to read them again
+            return UserError(
+                head + "Look for NaN/Inf in those samples' states from the servers; with finite states "
+                "the run diverged: rerun with a lower --lr or --grad-clip and --overwrite"
+            )
+        bad = [f"{r.sample_id!r} ({n} in {r.shard}/{r.file})" for r in named if (n := _non_finite_states(r))]
+        if bad:
+            return UserError(
+                head + f"NaN/Inf states in sample {', '.join(bad)}: re-extract that shard (stage 01 rejects "
+                "such rows), then rerun stages 02-04 with --overwrite (the samples change)"
+            )
+        return UserError(
+            head + "Their states are finite: the run diverged; rerun with a lower --lr or --grad-clip and "
+            "--overwrite or another --out-dir"
         )
 
     def _slot_refs(self, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
@@ -590,6 +599,12 @@ class TrainLoop:
         if self.checkpoints.due(prog.step, val is not None, stopping):
             self.checkpoints.save(prog.step, prog.history, val)
         return stopping
+
+
+def _non_finite_states(ref: SampleRef) -> int:
+    """NaN/Inf values in a sample's stored states (aux and teacher)."""
+    sample = load_sample(ref, ("aux_hidden_states", "last_hidden_state"))
+    return sum(int((~torch.isfinite(t.float())).sum()) for t in sample.values())
 
 
 def _steps_in(loop: TrainLoop, epoch: int) -> int:
