@@ -98,13 +98,14 @@ def _step_refs(tiny_run: Path, shard: Path, step: int) -> list:
     """The samples that step `step` (1-based) of a configs/tiny.toml run trains (one rank, grad_accum 1)."""
     import tomllib
 
+    from eagle3_pipeline.core.config import TrainConfig
     from eagle3_pipeline.data.packing import micro_batches
     from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.data.split import load_split
 
-    train = tomllib.loads((tiny_run / "tiny.toml").read_text())["train"]
-    train_refs, _ = load_split(Path(train["split_dir"]), open_shards([str(shard)]).samples)
-    batches = micro_batches(train_refs, train["batch_tokens"], train["max_seq_len"], train.get("seed", 0), 0)
+    cfg = TrainConfig(**tomllib.loads((tiny_run / "tiny.toml").read_text())["train"])
+    train_refs, _ = load_split(Path(cfg.split_dir), open_shards([str(shard)]).samples)
+    batches = micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0)
     return batches[step - 1]
 
 
