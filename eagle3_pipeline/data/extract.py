@@ -31,7 +31,7 @@ from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.core.config import ExtractConfig, provenance
 from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.samples import Sample
+from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
     check_aux_layer_ids,
@@ -289,8 +289,10 @@ def _store_part(
     dtype: torch.dtype,
     storage_dtype: str,
 ) -> tuple[int, tuple[int, int], int, int, int]:
-    samples = []
-    tensors: dict[str, list[torch.Tensor]] = {}
+    """Part n written: its samples' tokens and encoded states; a row whose states hold a NaN or Inf (as
+    stored: a cast that overflows counts) is rejected whole, since a row's samples stay together."""
+    encoded: list[tuple[int, Sample, dict[str, torch.Tensor]]] = []
+    bad: dict[int, str] = {}
     for (row, smp), (aux, last) in zip(accepted, states, strict=True):
         ids, mask = smp.input_ids, smp.loss_mask
         stored = {
@@ -299,16 +301,50 @@ def _store_part(
         }
         if aux is not None:
             stored.update(state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype))
+        found = _non_finite_states(stored)
+        if found and row not in bad:  # (the counts in parentheses: rejects group by the words outside)
+            bad[row] = (
+                "NaN or Inf in the verifier's hidden states, never stored: a draft trained on them turns "
+                f"NaN (sample {smp.sample_id!r}: {found})"
+            )
+        encoded.append((row, smp, stored))
+    samples = []
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for row, smp, stored in encoded:
+        if row in bad:
+            continue
         for k, v in stored.items():
             tensors.setdefault(k, []).append(v)
-        info = {"id": smp.sample_id, "row": row, "num_tokens": len(ids)}
-        info["num_loss_tokens"] = int(sum(mask))
+        info = {"id": smp.sample_id, "row": row, "num_tokens": len(smp.input_ids)}
+        info["num_loss_tokens"] = int(sum(smp.loss_mask))
         info["sha256"] = storage.sha256_tensors(stored)  # checked when the sample is read
         if smp.truncated_from is not None:
             info["truncated_from"] = smp.truncated_from
         samples.append(info)
+    for i, (row, why) in enumerate(sorted(bad.items())):
+        if i < MAX_REJECTS_LOGGED_PER_PART:
+            log.warning("%s row %d: rejected: %s", shard, row, why)
+    rejects = sorted([*rejects, *({"row": r, "reason": why} for r, why in bad.items())],
+                     key=lambda r: r["row"])  # fmt: skip
     shards.write_part(shard, n, samples, rejects, tensors, rows)
     return n, rows, len(samples), len(rejects), sum(s["num_tokens"] for s in samples)
+
+
+def _non_finite_states(stored: dict[str, torch.Tensor]) -> str | None:
+    """Where a sample's stored states hold a NaN or Inf ("N of M aux_hidden_states values, first at token
+    t; ..."), or None when every value is finite."""
+    found = []
+    for key, t in stored.items():
+        if not t.is_floating_point():
+            continue
+        bad = ~torch.isfinite(t.float())
+        count = int(bad.sum())
+        if count and key in state_dtype.STATE_KEYS:  # [T, ...]: the first token hit
+            first = int(bad.reshape(t.shape[0], -1).any(-1).nonzero()[0, 0])
+            found.append(f"{count} of {t.numel()} {key} values, first at token {first}")
+        elif count:  # an fp8 scale
+            found.append(f"{count} of {t.numel()} {key} values")
+    return "; ".join(found) or None
 
 
 def _forward_batched(

@@ -264,6 +264,11 @@ def _tensor_problems(
             p.append(f"d2t dtype {t.dtype}, must be int64 offsets")
         elif name not in ("d2t", "t2d") and t.dtype != torch.bfloat16:
             p.append(f"{name}: dtype {t.dtype}, export is bfloat16")
+    for name, t in tensors.items():  # vLLM serves NaN weights without a word: every draft token wrong
+        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        if bad:
+            p.append(f"{name}: {bad} of {t.numel()} values are NaN or Inf (export a checkpoint before the "
+                     "training went non-finite)")  # fmt: skip
     if "d2t" in tensors and "d2t" in shapes and tensors["d2t"].shape == shapes["d2t"]:
         if not torch.equal(tensors["d2t"].long(), expect["d2t"]):
             p.append("d2t differs from the vocab mapping the draft was trained with")
@@ -337,6 +342,7 @@ def readback_problems(
     ref = read_export(export_dir, embed)
     agree = total = 0
     err_sum = scale_sum = 0.0
+    non_finite = {"trained draft's": 0, "read-back": 0}  # NaN logits argmax alike on both sides: counted
     scalings = [ref.rope_scaling, rope_scaling.of_verifier({"rope_parameters": rope_parameters_of(model)})]
     packed = [pack([s], max_seq_len=10**9) for s in samples]
     for b in packed + [far for b in packed for far in long_positions(b, scalings)]:
@@ -345,6 +351,8 @@ def readback_problems(
         else:
             pairs = _sequential_pairs(ref, model, b, ttt_steps)
         for want, have in pairs:
+            non_finite["trained draft's"] += int((~torch.isfinite(want)).sum())
+            non_finite["read-back"] += int((~torch.isfinite(have)).sum())
             want_t = draft_to_target(want.argmax(-1), model.d2t)
             have_t = ref.to_target(have.argmax(-1))
             agree += int((want_t == have_t).sum())
@@ -357,12 +365,18 @@ def readback_problems(
         "positions": total,
     }
     p = []
-    if stats["top1_agreement"] < MIN_TOP1_AGREEMENT:
+    if any(non_finite.values()):
+        p.append(
+            f"logits not finite on the gate's {len(samples)} samples ({total} positions): "
+            + ", ".join(f"{n} NaN/Inf values in the {side} logits" for side, n in non_finite.items())
+        )
+    # written so that a NaN statistic fails them (NaN compares false)
+    if not stats["top1_agreement"] >= MIN_TOP1_AGREEMENT:
         p.append(
             f"read back under vLLM's rules, the export agrees with the trained draft on "
             f"{stats['top1_agreement']:.3f} of target tokens (< {MIN_TOP1_AGREEMENT})"
         )
-    if stats["normalised_error"] > MAX_NORMALISED_ERROR:
+    if not stats["normalised_error"] <= MAX_NORMALISED_ERROR:
         p.append(
             f"read-back logits differ by {stats['normalised_error']:.3f} of their spread "
             f"(> {MAX_NORMALISED_ERROR})"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -58,13 +59,14 @@ from eagle3_pipeline.training.epochs import EpochCount, EpochPlan, padding_of
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.training.online import NoServerLeft
 from eagle3_pipeline.data.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
-from eagle3_pipeline.data.shards import SampleRef, ShardSet, has_states, open_shards
+from eagle3_pipeline.data.shards import SampleRef, ShardSet, has_states, load_sample, open_shards
 from eagle3_pipeline.data.split import load_split, split_samples
 from eagle3_pipeline.training.train_metrics import (
     Recipe,
     accumulate,
     forward,
     log_validation,
+    non_finite_slots,
     summarize,
     validate,
     with_state_noise,
@@ -482,10 +484,13 @@ class TrainLoop:
         self, it: Any, sums: dict[str, float], step: int, count: EpochCount
     ) -> tuple[float, int]:
         """grad_accum micro-batches (padding past the epoch's last: weight 0), clip, step; (gradient norm,
-        tokens seen by all ranks)."""
+        tokens seen by all ranks). A step whose loss (on any rank) or gradient norm is NaN or Inf is not
+        applied: the run stops with a UserError naming the step and its samples (`_non_finite`)."""
         cfg, ep, in_epoch = self.cfg, count.plan, step - count.epoch_start
         self.optimizer.zero_grad(set_to_none=True)
         tokens = 0
+        # per slot of the step (micro x world + rank): its loss is not finite; set on the device, no sync
+        flags = torch.zeros(cfg.grad_accum * self.dist.world, device=self.device)
         for micro in range(cfg.grad_accum):
             refs, batch = next(it) if ep.is_real(in_epoch, micro) else (None, _padding(self))
             if cfg.state_noise:
@@ -494,6 +499,7 @@ class TrainLoop:
             loss, metrics = forward(
                 self.ddp_model, batch, self.recipe, self.device, self.autocast_dtype, self.kern
             )
+            flags[micro * self.dist.world + self.dist.rank] = (~torch.isfinite(loss.detach())).any()
             count.add(refs, batch)
             if refs is None:
                 (loss * 0.0).backward()  # DDP's all-reduce needs this rank's backward; it adds nothing
@@ -502,10 +508,54 @@ class TrainLoop:
             (loss / ep.loss_divisor(in_epoch)).backward()
             accumulate(sums, metrics)
             tokens += int(batch["input_ids"].numel()) * self.dist.world
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # global under DDP
+        bad_slots = non_finite_slots(flags, self.dist)  # every rank the same: all stop, none waits
+        if bad_slots or not math.isfinite(float(grad_norm)):
+            raise self._non_finite(step, ep, in_epoch, bad_slots, float(grad_norm))
         self.optimizer.step()
         self.scheduler.step()
         return float(grad_norm), tokens
+
+    def _non_finite(
+        self, step: int, ep: EpochPlan, in_epoch: int, bad_slots: list[int], grad_norm: float
+    ) -> UserError:
+        """Why step `step` (0-based) was not applied: its samples (every rank's; those of the micro-batches
+        whose loss was not finite, if any), which of them hold non-finite states (read again from the
+        shards), the last complete checkpoint, what to do. Stop, not skip: a skipped step would train on
+        without its samples unnoticed, and a rerun meets the same NaN at the same step."""
+        slots = range(self.cfg.grad_accum * self.dist.world)
+        refs = {i: self._slot_refs(ep, in_epoch, i) for i in slots}
+        named = [r for i in (bad_slots or slots) for r in refs[i]]
+        last = checkpoint.latest(checkpoint.root_of(Path(self.cfg.out_dir)))
+        what = f"the loss of {len(bad_slots)} micro-batch(es)" if bad_slots else "finite loss"
+        head = (
+            f"step {step + 1}: NaN or Inf ({what}, gradient norm {grad_norm}): the step was not applied and "
+            f"the run stops (never skipped); its samples{' of that loss' if bad_slots else ''}: "
+            f"{[r.sample_id for r in named]}; the last complete checkpoint is kept: "
+            f"{last if last is not None else 'none yet'}. "
+        )
+        if self.online is not None:  # states asked of the servers: nothing here to read them again
+            return UserError(
+                head + "Look for NaN/Inf in those samples' states from the servers; with finite states "
+                "the run diverged: rerun with a lower --lr or --grad-clip and --overwrite"
+            )
+        bad = [f"{r.sample_id!r} ({n} in {r.shard}/{r.file})" for r in named if (n := _non_finite_states(r))]
+        if bad:
+            return UserError(
+                head + f"NaN/Inf states in sample {', '.join(bad)}: re-extract that shard (stage 01 rejects "
+                "such rows), then rerun stages 02-04 with --overwrite (the samples change)"
+            )
+        return UserError(
+            head + "Their states are finite: the run diverged; rerun with a lower --lr or --grad-clip and "
+            "--overwrite or another --out-dir"
+        )
+
+    def _slot_refs(self, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
+        """The samples a slot (micro x world + rank) of a step of the epoch trained: its micro-batch, or
+        past the epoch's last the padding micro-batch's sample (the run's first)."""
+        micro, rank = divmod(slot, self.dist.world)
+        i = ep.global_index(in_epoch, micro, rank)
+        return ep.batches[i] if i < len(ep.batches) else self.data.train_refs[:1]
 
     def run(self, prog: Progress) -> int:
         cfg, plan = self.cfg, self.plan
@@ -560,6 +610,12 @@ class TrainLoop:
         if self.checkpoints.due(prog.step, val is not None, stopping):
             self.checkpoints.save(prog.step, prog.history, val)
         return stopping
+
+
+def _non_finite_states(ref: SampleRef) -> int:
+    """NaN/Inf values in a sample's stored states (aux and teacher)."""
+    sample = load_sample(ref, ("aux_hidden_states", "last_hidden_state"))
+    return sum(int((~torch.isfinite(t.float())).sum()) for t in sample.values())
 
 
 def _steps_in(loop: TrainLoop, epoch: int) -> int:

@@ -177,6 +177,15 @@ def accumulate(sums: dict[str, float], metrics: dict[str, torch.Tensor], weight:
     sums["n"] = sums.get("n", 0.0) + weight
 
 
+def non_finite_slots(flags: torch.Tensor, dist: Dist) -> list[int]:
+    """The slots of a step (micro x world + rank) whose loss was NaN or Inf, `flags` [slots] set by each
+    rank for its own; all-reduced, so every rank takes the same decision (one rank stopping alone would
+    leave the others waiting in the next collective)."""
+    if dist.enabled:
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return [int(i) for i in flags.nonzero().flatten().tolist()]
+
+
 def summarize(sums: dict[str, float], ttt_steps: int, served_k: int | None = None) -> dict[str, float]:
     """Ratios from summed counts: acc_s, cond_s, loss, and acceptance_length over the first `served_k`
     steps (the k vLLM will serve with; a run may train deeper than it serves)."""
