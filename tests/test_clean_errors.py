@@ -61,8 +61,8 @@ def test_broken_shards_and_wrong_folders_are_one_line_errors(tiny_shards, tmp_pa
 
     split = tmp_path / "split"
     run_script(script("03_split_data.py"), "--data-dir", str(shard), "--out-dir", str(split))
-    _error(run_script(*_train(shard, split, tmp_path / "t"), check=False),
-           f"{split}: not a vocab mapping (meta.json says stage 03_split_data)", "--vocab-mapping-dir")  # fmt: skip
+    proc = run_script(*_train(shard, split, tmp_path / "t"), check=False)
+    _error(proc, f"{split}: not a vocab mapping (meta.json says stage 03_split_data)", "--vocab-mapping-dir")
 
     _error(run_script(*_train(shard, vocab, tmp_path / "t", "--max-seq-len", "1"), check=False),
            "--max-seq-len must be >= 2, got 1")  # fmt: skip
@@ -77,7 +77,7 @@ def test_ttt_steps_above_the_served_k_warn_with_the_memory_they_cost(tiny_shards
     from eagle3_pipeline.sizing.plan import ttt_steps_warning
 
     base = {"vocab_mapping_dir": str(tiny_shards["vocab_float32"]), "out_dir": "o", "num_attention_heads": 4,
-            "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 64, "batch_tokens": 512}  # fmt: skip
+            "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 64}  # fmt: skip
     assert ttt_steps_warning(TrainConfig(**base, ttt_steps=3, served_k=3), 1, False) is None
     warning = ttt_steps_warning(TrainConfig(**base, ttt_steps=6, served_k=3), 1, False)
     assert warning is not None and "--ttt-steps 6 > --served-k 3: steps 4-6" in warning, warning
@@ -92,8 +92,8 @@ def test_an_empty_shard_is_refused_and_an_overwritten_one_kept(tiny_verifier, ti
     root = tmp_path / "hs"
     shutil.copytree(tiny_shards["float32"], root / tiny_shards["float32"].name)
     before = _tree_sha(root)
-    args = [*extract_args(tiny_verifier, CONVERSATIONS, root), "--samples-per-file", "4", "--max-seq-len", "1"]
-    proc = run_script(*args, "--overwrite", check=False)
+    args = [*extract_args(tiny_verifier, CONVERSATIONS, root), "--samples-per-file", "4"]
+    proc = run_script(*args, "--max-seq-len", "1", "--overwrite", check=False)
     _error(proc, "every one of the 10 rows was rejected", '{"N tokens > max_seq_len N": 10}',
            "no empty shard is published")  # fmt: skip
     assert _tree_sha(root) == before
@@ -117,12 +117,13 @@ def test_stage_00_rejects_duplicates_and_assistant_first_rows_before_generating(
                     if first == "user" else []) + [{"role": "assistant", "content": "yo"}]}) + "\n"
                     for n, (i, first) in enumerate(rows)))  # fmt: skip
     args = [script("00_regenerate.py"), "--verifier-path", str(tiny_verifier), "--data-path", str(data),
-            "--out-dir", "regen", "--engine", "hf", "--max-new-tokens", "3", "--rows-per-part", "2"]  # fmt: skip
+            "--out-dir", "regen", "--engine", "hf", "--max-new-tokens", "3",
+            "--rows-per-part", "2"]  # fmt: skip
     run_killed_after(args, tmp_path, "part-00001.jsonl")  # rows 0-3 done: the rerun resumes at row 4
     run_script(*args, cwd=tmp_path)
     reasons = {r["row"]: r["reason"] for r in read_jsonl(tmp_path / "regen" / "rejects.jsonl")}
     assert reasons == {
-        1: "no assistant turn after a prompt (an assistant turn that opens the row has nothing to answer)",
+        1: "no assistant turn after a prompt (an assistant turn that opens the row answers nothing)",
         2: "duplicate id 'a' (first at row 0)",
         4: "duplicate id 'a' (first at row 0)",
         5: "duplicate id 'c' (first at row 3)",

@@ -45,7 +45,9 @@ from eagle3_pipeline.models.verifier import read_text_config
 log = logging.getLogger("eagle3.regenerate")
 
 OUTPUT_NAME = "conversations.jsonl"
-NO_PROMPTED_TURN = "no assistant turn after a prompt (an assistant turn that opens the row has nothing to answer)"
+# why a row gives no regenerated turn
+NO_PROMPTED_TURN = "no assistant turn after a prompt (an assistant turn that opens the row answers nothing)"
+NO_TURN_FITS = "no assistant turn whose prompt fits max_seq_len"
 
 
 def resolve_engine(name: str, vllm_python: str | None) -> str:
@@ -197,9 +199,7 @@ def regenerate_rows(
     kwargs = cfg.chat_template_kwargs or {}
     state = [{"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows]
     rejects: list[dict[str, Any]] = []
-    for s in state:  # an assistant turn first has no prompt to answer: the verifier regenerates none
-        if s["turn"] is None:
-            rejects.append({"row": s["row"], "reason": NO_PROMPTED_TURN})
+    unanswerable = {s["row"] for s in state if s["turn"] is None}  # its only assistant turn opens it
     while True:
         pending, prompts, budgets = [], [], []
         for s in state:
@@ -227,8 +227,8 @@ def regenerate_rows(
     for s in state:
         conv = s["conv"]
         if not s["samples"]:
-            if not any(r["row"] == s["row"] for r in rejects):
-                rejects.append({"row": s["row"], "reason": "no assistant turn whose prompt fits max_seq_len"})
+            reason = NO_PROMPTED_TURN if s["row"] in unanswerable else NO_TURN_FITS
+            rejects.append({"row": s["row"], "reason": reason})
             continue
         while conv.messages and conv.messages[-1]["role"] != "assistant":
             conv.messages.pop()  # trailing user turns have no regenerated answer
