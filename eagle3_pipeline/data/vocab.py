@@ -68,7 +68,7 @@ def run(cfg: VocabConfig) -> int:
     tmp = storage.fresh_tmp_dir(out_dir)
     digest = storage.save_safetensors_atomic({"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE)
     meta = {
-        "stage": STAGE,
+        "stage": "02_build_vocab_mapping",
         "draft_vocab_size": cfg.draft_vocab_size,
         "vocab_size": vocab_size,
         "loss_tokens": total,
