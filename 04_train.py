@@ -45,6 +45,22 @@ import sys
 from eagle3_pipeline.core.cli import run_stage
 
 
+def _warn_ttt_steps(cfg) -> None:
+    """Rank 0 says what --ttt-steps above --served-k costs (sizing/plan.py: training may not import it)."""
+    import logging
+    import os
+
+    import torch
+
+    from eagle3_pipeline.sizing.plan import ttt_steps_warning
+
+    if os.environ.get("RANK", "0") == "0":
+        gpus = int(os.environ.get("WORLD_SIZE", "1"))
+        warning = ttt_steps_warning(cfg, gpus, torch.cuda.is_available())
+        if warning:
+            logging.getLogger("eagle3.train").warning("%s", warning)
+
+
 def main(argv=None) -> int:
     def body(cfg_args):
         cfg, args = cfg_args
@@ -54,6 +70,7 @@ def main(argv=None) -> int:
             return print_serve_line(cfg)
         from eagle3_pipeline.training.train import run
 
+        _warn_ttt_steps(cfg)
         return run(cfg)
 
     def extra_args(parser):

@@ -291,7 +291,7 @@ def test_every_shipped_config_resolves_in_every_section(path):
 # (the next three), a refusal far downstream (the last three).
 REVIEWED = [
     ("evaluate", ["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1, got 0"),
-    ("train", ["--ttt-steps", "0"], "--ttt-steps must be >= 1, got 0"),
+    ("train", ["--ttt-steps", "0"], "--ttt-steps must be in [1, 16], got 0"),
     ("train", ["--lr", "-1"], "--lr must be > 0, got -1.0"),
     ("train", ["--batch-tokens", "-5"], "--batch-tokens must be >= 1, got -5"),
     ("regenerate", ["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
@@ -321,7 +321,7 @@ def test_a_bad_value_in_the_config_file_names_the_flag_the_key_and_the_file(tmp_
     with pytest.raises(UserError) as e:
         _resolve("train", [], "ttt_steps = 0", tmp_path)
     where = f"(ttt_steps in [train] of {tmp_path / 'stage.toml'})"
-    assert str(e.value) == f"--ttt-steps must be >= 1, got 0 {where}"
+    assert str(e.value) == f"--ttt-steps must be in [1, 16], got 0 {where}"
 
 
 def test_the_stage_scripts_exit_2_with_one_line_before_doing_anything(tmp_path):

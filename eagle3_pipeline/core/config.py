@@ -55,6 +55,11 @@ LOSS_NAMES = ("ce", "kl_div", "tv", "nla", "lk_hybrid", "rkl", "jsd")
 # Seeds: train.py seeds the state noise of a micro-batch ((seed * 1_000_003 + step) * 64 + micro) * 1024
 # + rank, which torch's manual_seed must hold in 64 bits: seed < 2**28 leaves room for 1e13 steps.
 SEED = {"ge": 0, "lt": 2**28}
+# The most TTT steps [train] unrolls: twice the deepest draft served here (a parallel draft's k = 8; chains
+# serve 3-5). A chained step is accepted with the product of the steps' rates before it (0.8**16 = 3 %),
+# while memory and time grow with every step's KV ((s+1) x the row's tokens: sizing/plan.py); --ttt-steps 50
+# on the tiny model took 10 GB at 8 tok/s.
+TTT_STEPS_MAX = 16
 _BOUNDS = {
     "ge": (operator.ge, ">="),
     "gt": (operator.gt, ">"),
@@ -523,12 +528,19 @@ class TrainConfig(Settings):
     warmup_steps: int | None = _f(None, "Warm-up in optimizer steps instead of --warmup-ratio.", ge=0)
     weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
     grad_clip: float = _f(0.5, "Clip the global gradient norm to this value.", gt=0)
+    # >= 2: slot t learns token t+1 (packing.py), so a sample cut to one token trains nothing
     max_seq_len: int = _f(
-        4096, "Longer samples are truncated (the prefix is still valid training data).", ge=1
+        4096, "Longer samples are truncated (the prefix is still valid training data).", ge=2
     )
     batch_tokens: int = _f(8192, "Tokens packed into one micro-batch (samples are never split).", ge=1)
     grad_accum: int = _f(1, "Micro-batches per optimizer step.", ge=1)
-    ttt_steps: int = _f(3, "Training-time-test steps unrolled per position (= draft tokens trained).", ge=1)
+    ttt_steps: int = _f(
+        3,
+        "Training-time-test steps unrolled per position (= draft tokens trained); steps past --served-k "
+        "are never served (a warning with the memory they cost).",
+        ge=1,
+        le=TTT_STEPS_MAX,
+    )
     ttt_step_loss_decay: float = _f(1.0, "Weight of step s is decay**s.", gt=0)
     # Cross-entropy on the verifier's argmax: vLLM's draft proposes its argmax (draft_sample_method "greedy",
     # the default), so a token is accepted when it is the verifier's choice (greedy) or with the verifier's

@@ -164,7 +164,12 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         "samples_per_file": cfg.samples_per_file,
         "chat_template_kwargs": cfg.chat_template_kwargs,  # 06_evaluate.py builds its prompts with these
         "truncate": cfg.truncate,
+        "trust_remote_code": cfg.trust_remote_code,  # the checkpoint's own tokenizer code: other ids
     }
+    if cfg.engine == "hf" and storage_dtype != state_dtype.NO_STATES:
+        # its batches: padding changes the float results (by ~3e-6 on CPU), so a resume with another
+        # value would join parts that differ from an uninterrupted run's
+        settings["max_batch_tokens"] = cfg.max_batch_tokens
     if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
         settings["fp8_scales"] = state_dtype.FP8_SCALES
     # (an hf shard's settings are those of the shards written before engines; a token shard has no engine)
@@ -176,6 +181,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             loaded["vllm_version"] = engine.version if engine else vllm_version(cfg.vllm_python)
         settings.update(engine="vllm", vllm_version=loaded["vllm_version"])
 
+    storage.check_stale_asides(shard, storage.is_complete(shard))
     if storage.is_complete(shard) and not cfg.overwrite:
         storage.log_skip(shard)
         return
@@ -183,20 +189,22 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         storage.check_run_settings(shard / parts.RUN_FILE, settings)
     blocks = parts.blocks(start, end, cfg.samples_per_file)
     todo = list(enumerate(blocks)) if cfg.overwrite else parts.todo(shard, blocks, shards.part_info_name)
-    if todo:  # every check before open_output removes an overwritten shard (its bytes count as free)
+    if todo:  # every check before an overwritten shard moves aside
         if "engine" not in loaded:  # while the renderer loads its tokenizer (nothing written yet)
             loaded["engine"] = _open_engine(cfg, facts, aux_ids, dtype)
-        freed = storage.tree_bytes(shard) if cfg.overwrite else 0
         _check_free_space(cfg, shard, loaded["renderer"], todo, len(aux_ids), facts.hidden_size,
-                          storage_dtype, freed)  # fmt: skip
-    parts.open_output(shard, cfg.overwrite, settings)
-    log.info(
-        "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
-        shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,
-    )  # fmt: skip
-    if todo:
-        _extract_parts(shard, todo, storage_dtype, loaded["renderer"], loaded["engine"])
-    shards.finish_shard(shard, len(blocks), settings, provenance(cfg))
+                          storage_dtype)  # fmt: skip
+    # --overwrite keeps the old shard aside until the new one is complete: a refused (empty) or failed
+    # new shard puts it back
+    with storage.overwriting(shard, cfg.overwrite):
+        parts.open_output(shard, cfg.overwrite, settings)
+        log.info(
+            "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
+            shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,
+        )  # fmt: skip
+        if todo:
+            _extract_parts(shard, todo, storage_dtype, loaded["renderer"], loaded["engine"])
+        shards.finish_shard(shard, len(blocks), settings, provenance(cfg))
 
 
 def _check_free_space(
@@ -207,10 +215,9 @@ def _check_free_space(
     num_aux: int,
     hidden_size: int,
     storage_dtype: str,
-    freed: int = 0,
 ) -> None:
-    """Refuse to start when the parts still to write would not fit (tokens per row from a sample); `freed`:
-    bytes the start frees (an overwritten shard)."""
+    """Refuse to start when the parts still to write would not fit (tokens per row from a sample); an
+    overwritten shard frees nothing before the new one is complete."""
     a0 = todo[0][1][0]
     rows_todo = sum(b - a for _, (a, b) in todo)
     per_row = renderer.tokens_per_row(a0, a0 + rows_todo)
@@ -218,7 +225,7 @@ def _check_free_space(
         return
     need = int(rows_todo * per_row * state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size))
     need += rows_todo * state_dtype.bytes_per_sample(storage_dtype, num_aux)
-    free = storage.free_bytes(shard) + freed
+    free = storage.free_bytes(shard)
     log.info("disk | need ~%s for %d rows | free %s", storage.format_bytes(need), rows_todo,
              storage.format_bytes(free))  # fmt: skip
     if need > free:
@@ -227,7 +234,8 @@ def _check_free_space(
             f"{state_dtype.bytes_per_token(storage_dtype, num_aux, hidden_size)} bytes/token "
             f"({storage_dtype}) = {storage.describe_bytes(need)} needed, {storage.describe_bytes(free)} "
             "free; "
-            "free space, extract a smaller row range, or store as float8_e4m3fn (--storage-dtype)"
+            "free space (--overwrite keeps the old shard until the new one is complete), extract a smaller "
+            "row range, or store as float8_e4m3fn (--storage-dtype)"
         )
 
 

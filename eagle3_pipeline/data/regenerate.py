@@ -32,6 +32,7 @@ from eagle3_pipeline.core.config import RegenerateConfig, provenance
 from eagle3_pipeline.data.conversations import (
     Conversation,
     RawRow,
+    RowRejected,
     count_rows,
     normalize_row,
     read_rows,
@@ -44,6 +45,9 @@ from eagle3_pipeline.models.verifier import read_text_config
 log = logging.getLogger("eagle3.regenerate")
 
 OUTPUT_NAME = "conversations.jsonl"
+# why a row gives no regenerated turn
+NO_PROMPTED_TURN = "no assistant turn after a prompt (an assistant turn that opens the row answers nothing)"
+NO_TURN_FITS = "no assistant turn whose prompt fits max_seq_len"
 
 
 def resolve_engine(name: str, vllm_python: str | None) -> str:
@@ -67,6 +71,27 @@ def end_token_ids(verifier_path: Path, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+def hf_dtype() -> Any:
+    """The transformers generator's compute dtype: bfloat16 on CUDA, float32 on CPU."""
+    import torch
+
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def engine_settings(engine: str, vllm_python: str | None) -> dict[str, Any]:
+    """What of the engine changes the generated tokens besides the flags (a resume must match it, or its
+    parts would differ from an uninterrupted run's): transformers' compute dtype; vLLM's version, dtype
+    and tensor-parallel size (the floats of its kernels, hence greedy ties and sampled tokens)."""
+    if engine == "hf":
+        return {"dtype": str(hf_dtype()).removeprefix("torch.")}
+    import torch
+
+    from eagle3_pipeline.vllm_side.extract_vllm import vllm_version
+    from eagle3_pipeline.vllm_side.vllm_engine import gpu_engine_fields
+
+    return {**gpu_engine_fields(torch.cuda.device_count()), "vllm_version": vllm_version(vllm_python)}
+
+
 class HFGenerator:
     """Batch-of-one generation with transformers (the CPU fallback; exact greedy)."""
 
@@ -75,8 +100,7 @@ class HFGenerator:
 
         from eagle3_pipeline.models.verifier import load_verifier_model
 
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.model = load_verifier_model(verifier_path, dtype, cfg.trust_remote_code)
+        self.model = load_verifier_model(verifier_path, hf_dtype(), cfg.trust_remote_code)
         self.cfg, self.stop_ids = cfg, stop_ids
 
     def __enter__(self) -> HFGenerator:
@@ -175,6 +199,7 @@ def regenerate_rows(
     kwargs = cfg.chat_template_kwargs or {}
     state = [{"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows]
     rejects: list[dict[str, Any]] = []
+    unanswerable = {s["row"] for s in state if s["turn"] is None}  # its only assistant turn opens it
     while True:
         pending, prompts, budgets = [], [], []
         for s in state:
@@ -202,7 +227,8 @@ def regenerate_rows(
     for s in state:
         conv = s["conv"]
         if not s["samples"]:
-            rejects.append({"row": s["row"], "reason": "no assistant turn whose prompt fits max_seq_len"})
+            reason = NO_PROMPTED_TURN if s["row"] in unanswerable else NO_TURN_FITS
+            rejects.append({"row": s["row"], "reason": reason})
             continue
         while conv.messages and conv.messages[-1]["role"] != "assistant":
             conv.messages.pop()  # trailing user turns have no regenerated answer
@@ -249,8 +275,11 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         "verifier_path": str(verifier_path.resolve()),
         "engine": engine,
         "stop_token_ids": stop_ids,
+        **engine_settings(engine, cfg.vllm_python),
+        # trust_remote_code: the checkpoint's own tokenizer code instead of transformers' (other ids)
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
-                                         "rows_per_part", "data_split", "chat_template_kwargs")},
+                                         "rows_per_part", "data_split", "chat_template_kwargs",
+                                         "trust_remote_code")},
     }  # fmt: skip
     with storage.overwriting(out_dir, cfg.overwrite):  # the old output stays until the new one is complete
         if not parts.open_output(out_dir, cfg.overwrite, settings):  # finished by a writer just gone
@@ -268,7 +297,7 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         if todo:
             gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
             with gen_cls(verifier_path, cfg, stop_ids) as generator:
-                _run_parts(cfg, out_dir, todo, tokenizer, generator)
+                _run_parts(cfg, out_dir, blocks, todo, tokenizer, generator)
         _finish(cfg, out_dir, blocks, settings, total)
     return 0
 
@@ -283,14 +312,38 @@ def _part(n: int) -> str:
     return f"part-{n:05d}.jsonl"
 
 
-def _run_parts(cfg: RegenerateConfig, out_dir: Path, todo: list, tokenizer: Any, generator: Any) -> None:
+def _ids_of_part(path: Path, rows: tuple[int, int]) -> dict[str, int]:
+    """{row id: row} of a finished part file (its regenerated rows follow its rejects, rows in order)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+    rejected = {obj["rejected"]["row"] for obj in lines if "rejected" in obj}
+    written = [obj["id"] for obj in lines if "rejected" not in obj]
+    return dict(zip(written, (r for r in range(*rows) if r not in rejected), strict=True))
+
+
+def _run_parts(
+    cfg: RegenerateConfig, out_dir: Path, blocks: list, todo: list, tokenizer: Any, generator: Any
+) -> None:
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="regenerate", unit="row")
     t0, done_rows, done_tokens = time.time(), 0, 0
+    seen: dict[str, int] = {}  # row id -> row over the parts before: a duplicate is a reject, as in stage 01
+    to_do, read_up_to = {n for n, _ in todo}, 0
+
+    def unique(raw: RawRow) -> Conversation:
+        conv = _conversation(raw)
+        if conv.row_id in seen:  # rejected before the verifier spends time on it
+            raise RowRejected(f"duplicate id {conv.row_id!r} (first at row {seen[conv.row_id]})")
+        seen[conv.row_id] = raw.index
+        return conv
+
     try:
         for n, (a, b) in todo:
+            for m in range(read_up_to, n):  # a resume: the ids of the finished parts before are taken
+                if m not in to_do:
+                    seen.update(_ids_of_part(out_dir / _part(m), blocks[m]))
+            read_up_to = n + 1
             rejects: list[dict[str, Any]] = []
             raws = read_rows(Path(cfg.data_path), a, b, cfg.data_split)
-            rows = list(accepted_rows(raws, _conversation, rejects, cfg.data_path))
+            rows = list(accepted_rows(raws, unique, rejects, cfg.data_path))
             out, more = regenerate_rows(rows, tokenizer, generator, cfg)
             rejects += more
             lines = [json.dumps({"rejected": r}) for r in sorted(rejects, key=lambda r: r["row"])]

@@ -152,7 +152,10 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
             f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
             "the shard with this version of 01_extract_hidden_states.py)"
         )
+    _check_run_settings(shard, meta)
     manifest_path = shard / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise UserError(f"{manifest_path}: missing; the shard is corrupt, re-extract it with --overwrite")
     if storage.sha256_file(manifest_path) != meta["manifest_sha256"]:
         raise UserError(
             f"{manifest_path}: checksum mismatch with meta.json; the shard is corrupt, "
@@ -171,6 +174,41 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
                 )
             _check_part_layout(path, meta, [s["num_tokens"] for s in f["samples"]])
     return meta
+
+
+def _check_run_settings(shard: Path, meta: dict[str, Any]) -> None:
+    """meta.json against the run.json stage 01 pinned (the same settings, written apart): every fact a
+    consumer reads of meta.json (verifier, layer ids, dtypes, fp8 scales, template) is among them, so a
+    changed byte in either file is refused here instead of read as another verifier or layout."""
+    run_file = shard / parts.RUN_FILE
+    if not run_file.is_file():  # a shard written before run.json was kept: meta.json alone
+        return
+    run = storage.read_json(run_file)
+    differ = sorted(k for k in run if meta.get(k) != run[k])
+    if meta["hidden_size"] != meta["verifier"]["hidden_size"]:
+        differ.append("hidden_size")
+    if differ:
+        raise UserError(
+            f"{shard / storage.META_NAME}: {', '.join(differ)} differ from {run_file} (the settings the "
+            "shard was written with); one of the files is corrupt, re-extract the shard with --overwrite"
+        )
+
+
+@contextlib.contextmanager
+def reading_part(path: Path) -> Iterator[None]:
+    """A part file read through safetensors: a missing file or a header it cannot parse (a flipped byte,
+    a foreign file) is a UserError naming the file, not safetensors' own error that names none."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing; re-extract the shard with --overwrite") from None
+    except SafetensorError as e:
+        raise UserError(
+            f"{path}: not a readable safetensors file ({e}); the shard is corrupt, re-extract it with "
+            "--overwrite"
+        ) from None
 
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", state_dtype.FP8: "F8_E4M3"}
@@ -192,7 +230,7 @@ def _check_part_layout(path: Path, meta: dict[str, Any], num_tokens: list[int]) 
         )
         want["aux_hidden_states" + suffix] = [rows, n_aux]
         want["last_hidden_state" + suffix] = [rows]
-    with safe_open(str(path), "pt") as f:
+    with reading_part(path), safe_open(str(path), "pt") as f:
         for name, shape in want.items():
             if name not in f.keys():
                 raise UserError(f"{path}: no tensor {name!r}; re-extract the shard with --overwrite")
@@ -263,7 +301,7 @@ def load_sample(
     from safetensors import safe_open
 
     path = Path(ref.shard) / ref.file
-    with safe_open(str(path), "pt") as f:
+    with reading_part(path), safe_open(str(path), "pt") as f:
         offsets = f.get_tensor("offsets")
         a, b = int(offsets[ref.index]), int(offsets[ref.index + 1])
         i = ref.index
@@ -288,7 +326,7 @@ def iter_part_tokens(shards: list[Path]) -> Any:
     for s in shards:
         for f in storage.read_json(s / MANIFEST_FILE)["files"]:
             path = s / f["file"]
-            with safe_open(str(path), "pt") as st:
+            with reading_part(path), safe_open(str(path), "pt") as st:
                 tokens = {k: st.get_tensor(k) for k in TOKEN_KEYS}
             if storage.sha256_tensors(tokens) != f["tokens_sha256"]:
                 raise UserError(
@@ -350,6 +388,13 @@ def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], provenan
             num_loss_tokens += sum(s["num_loss_tokens"] for s in info["samples"])
     num_rows = settings["row_range"][1] - settings["row_range"][0]
     parts.check_every_row(shard, num_rows_written, len(rejects), num_rows)
+    if not num_samples:  # a shard of nothing would pass for data (and replace a good one)
+        raise UserError(
+            f"{shard}: every one of the {num_rows} rows was rejected, by reason "
+            f"{json.dumps(reason_counts(rejects))}; "
+            "no empty shard is published. Fix the data or the settings (e.g. --max-seq-len, --truncate) "
+            "and rerun with --overwrite"
+        )
     storage.write_json_atomic(shard / MANIFEST_FILE, {"files": files})
     parts.write_rejects(shard, rejects)
     manifest_sha = storage.sha256_file(shard / MANIFEST_FILE)
@@ -385,8 +430,14 @@ def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], provenan
         num_loss_tokens,
     )
     if rejects:
-        reasons: dict[str, int] = {}
-        for r in rejects:  # "turn 3 (assistant) is empty" -> "turn N is empty"
-            key = re.sub(r"(?<![\w-])\d+(?![\w-])", "N", re.sub(r"\s*\([^)]*\)", "", r["reason"]))
-            reasons[key] = reasons.get(key, 0) + 1
-        log.warning("rejected rows by reason: %s", json.dumps(reasons))
+        log.warning("rejected rows by reason: %s", json.dumps(reason_counts(rejects)))
+
+
+def reason_counts(rejects: list[dict[str, Any]]) -> dict[str, int]:
+    """Rejected rows per reason, numbers and parentheses folded: "turn 3 (assistant) is empty" counts as
+    "turn N is empty"."""
+    reasons: dict[str, int] = {}
+    for r in rejects:
+        key = re.sub(r"(?<![\w-])\d+(?![\w-])", "N", re.sub(r"\s*\([^)]*\)", "", r["reason"]))
+        reasons[key] = reasons.get(key, 0) + 1
+    return reasons

@@ -22,6 +22,7 @@ from eagle3_pipeline.data.shards import iter_part_tokens, open_for_output
 log = logging.getLogger("eagle3.vocab")
 
 MAPPING_FILE = "vocab_mapping.safetensors"
+STAGE = "02_build_vocab_mapping"  # meta.json's "stage": what load_mapping accepts as a mapping
 
 
 def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -101,7 +102,14 @@ def load_mapping(mapping_dir: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
         raise UserError(f"{mapping_dir}: not a complete vocab mapping; run 02_build_vocab_mapping.py")
     meta = storage.read_json(mapping_dir / storage.META_NAME)
     path = mapping_dir / MAPPING_FILE
-    if storage.sha256_file(path) != meta["mapping_sha256"]:
+    stage = meta.get("stage") if isinstance(meta, dict) else None
+    if stage != STAGE or not path.is_file():
+        made_by = f"meta.json says stage {stage}" if stage != STAGE else f"no {MAPPING_FILE}"
+        raise UserError(
+            f"{mapping_dir}: not a vocab mapping ({made_by}); pass the --out-dir of "
+            "02_build_vocab_mapping.py as --vocab-mapping-dir"
+        )
+    if storage.sha256_file(path) != meta.get("mapping_sha256"):
         raise UserError(f"{path}: sha256 mismatch with meta.json (corrupt); rebuild it with --overwrite")
     t = load_file(str(path))
     d2t, t2d = t["d2t"], t["t2d"]

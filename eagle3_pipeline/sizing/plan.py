@@ -155,6 +155,34 @@ def memory_per_gpu(
     }
 
 
+def ttt_steps_warning(cfg: TrainConfig, gpus: int, cuda: bool) -> str | None:
+    """Why --ttt-steps above --served-k costs without serving (None: it is not above, or the inputs are
+    unreadable, which the run itself refuses naming them): the steps vLLM will never propose, and the
+    memory per device they take (memory_per_gpu) beside the memory at the served k. The draft is the
+    run's: the vocab mapping's size, layer ids and verifier, the verifier's config.json."""
+    if cfg.parallel_drafting or cfg.ttt_steps <= cfg.served_k:
+        return None
+    try:
+        vocab = storage.read_json(Path(cfg.vocab_mapping_dir or "") / storage.META_NAME)
+        source = vocab["source"]
+        text = read_text_config(Path(cfg.verifier_path or source["verifier"]["path"]))
+        verifier = {"hidden_size": int(text["hidden_size"]), "vocab_size": int(text["vocab_size"]),
+                    "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6))}  # fmt: skip
+        aux = source["aux_layer_ids"]
+        spec = spec_for_training(cfg, {**text, **verifier}, int(vocab["draft_vocab_size"]), aux)
+    except (UserError, OSError, KeyError, TypeError, ValueError):
+        return None
+    draft = draft_report(spec, cfg.train_lm_head)
+    total = memory_per_gpu(spec, draft, cfg, gpus, cuda)["total"]
+    at_k = memory_per_gpu(spec, draft, dataclasses.replace(cfg, ttt_steps=cfg.served_k), gpus, cuda)["total"]
+    return (
+        f"--ttt-steps {cfg.ttt_steps} > --served-k {cfg.served_k}: steps {cfg.served_k + 1}-{cfg.ttt_steps} "
+        f"train draft tokens vLLM will not propose (num_speculative_tokens {cfg.served_k}); memory per "
+        f"device ~{storage.format_bytes(total)} (plan estimate), ~{storage.format_bytes(at_k)} at "
+        f"--ttt-steps {cfg.served_k}"
+    )
+
+
 # ---- steps ----------------------------------------------------------------------------------------
 
 

@@ -62,7 +62,7 @@ def unavailable(python: str | Path | None, cheap: bool = False) -> None:
         raise UserError(f"vLLM engine unavailable: {why}")
 
 
-def _engine_fields(gpus: int) -> dict[str, Any]:
+def gpu_engine_fields(gpus: int) -> dict[str, Any]:
     """fp32 on CPU (the tiny models; this CPU has no fast bf16), the checkpoint's dtype and every visible
     GPU (tensor parallel) on a GPU box."""
     return {"dtype": "auto" if gpus else "float32", "tensor_parallel_size": max(gpus, 1)}
@@ -187,7 +187,7 @@ class WorkerSession:
 
         self.count += 1
         req = Path(self.tmp.name) / f"request-{self.count:06d}.json"
-        req.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+        req.write_text(json.dumps({**gpu_engine_fields(torch.cuda.device_count()), **fields}))
         return req
 
     def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +239,7 @@ def start_server(
     unavailable(python, cheap=True)
     py = Path(python) if python else default_python()
     request = log_path.with_suffix(".request.json")
-    request.write_text(json.dumps({**_engine_fields(torch.cuda.device_count()), **fields}))
+    request.write_text(json.dumps({**gpu_engine_fields(torch.cuda.device_count()), **fields}))
     with open(log_path, "a") as log:
         proc = subprocess.Popen(
             [str(py), *WORKER, "--serve", listen, "--request", str(request)],
