@@ -44,6 +44,7 @@ KINDS = ("document", "session", "generation")
 # sorted list, a stride prime to any plausible number of files so the starts spread over the library.
 FILE_STRIDE = 37
 SESSION_FILL = 0.875  # a session's whole turns fill this much of the target; a pasted chunk the rest
+SKIPPED_TURNS = 20  # functions too long for the room left that a session passes over before it stops
 CUT_ROUNDS = 6  # rounds of cutting a text to a rendered length (each moves by the error of the last)
 QUESTIONS = (
     "What does the code above do? Go through it function by function.",
@@ -162,11 +163,15 @@ def session_prompt(tokenizer: Any, kwargs: dict[str, Any], target: int, i: int) 
     make = lambda code: f"And this part?\n\n```python\n{code}\n```\n\nWhat does it do?"  # noqa: E731
     history: list[dict[str, str]] = []
     names: list[str] = []
-    used = len(user_render(tokenizer, kwargs, [], make)(""))
+    used, misses = len(user_render(tokenizer, kwargs, [], make)("")), 0
     for name, turn in function_turns(i * FILE_STRIDE):
-        used += len(render_ids(tokenizer, turn, False, None, kwargs))
-        if used > target * SESSION_FILL:
-            break
+        cost = len(render_ids(tokenizer, turn, False, None, kwargs))
+        if used + cost > target * SESSION_FILL:  # a long function: a shorter one further on may fit
+            misses += 1
+            if misses > SKIPPED_TURNS:
+                break
+            continue
+        used += cost
         history += turn
         names += [name] if name not in names else []
     while history and len(user_render(tokenizer, kwargs, history, make)("")) > target * SESSION_FILL:
