@@ -177,7 +177,8 @@ def session_prompt(tokenizer: Any, kwargs: dict[str, Any], target: int, i: int) 
     while history and len(user_render(tokenizer, kwargs, history, make)("")) > target * SESSION_FILL:
         history = history[:-2]  # a template that adds more per turn than alone: whole turns off the end
     text, more = joined_sources(tokenizer, i * FILE_STRIDE + len(names) + 1, target)
-    return cut_to_length(tokenizer, user_render(tokenizer, kwargs, history, make), text, target), names + more
+    ids = cut_to_length(tokenizer, user_render(tokenizer, kwargs, history, make), text, target)
+    return ids, names + [m for m in more if m not in names]
 
 
 def generation_prompt(tokenizer: Any, kwargs: dict[str, Any], target: int, i: int) -> Built:
