@@ -358,7 +358,7 @@ def _log(engine: str, s: dict[str, Any]) -> None:
         " ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"]),
         s["num_drafts"],
     )
-    for b in s["acceptance_by_context"]["buckets"]:
+    for b in s.get("acceptance_by_context", {}).get("buckets", []):
         se = "" if b["standard_error"] is None else f" +- {b['standard_error']:.3f}"
         log.info("%s | context %s | mean acceptance length %.3f%s | drafts %d",
                  engine, b["context"], b["mean_acceptance_length"], se, b["num_drafts"])  # fmt: skip

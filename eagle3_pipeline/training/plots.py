@@ -157,7 +157,9 @@ def write_acceptance_by_context_plot(path: Path, results: dict[str, dict[str, An
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     series, ticks = {}, {}
     for label, summary in results.items():
-        buckets = summary["acceptance_by_context"]["buckets"]
+        buckets = summary.get("acceptance_by_context", {}).get("buckets", [])
+        if not buckets:  # (no drafts, or a result without buckets): no line
+            continue
         xs = [(b["context_min"] * b["context_max"]) ** 0.5 or b["context_max"] / 2 for b in buckets]
         ys = [b["mean_acceptance_length"] for b in buckets]
         errs = [b["standard_error"] or 0.0 for b in buckets]
@@ -170,7 +172,8 @@ def write_acceptance_by_context_plot(path: Path, results: dict[str, dict[str, An
     ax.set(title=title, xlabel="context (prompt + generated tokens) at the verification step",
            ylabel="mean acceptance length")  # fmt: skip
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if series:
+        ax.legend(fontsize=8)
     return _save(fig, path, series)
 
 
