@@ -386,11 +386,10 @@ def _add_expected(
     trace_probs: torch.Tensor,
     verify: VerifyPass | None,
 ) -> list[float]:
-    """Add q_j = prod_{i<=j} p~_i(x_i), and q_j (1 - q_j), for each position j of each step; each step's
-    expected accepted count sum_j q_j. Drafts
-    1..on_trace equal the trace's tokens, so p~ up to draft on_trace + 1 is the trace's own; past it
-    the drafts left the trace and p~ comes from one batched verify pass over the contexts and drafts,
-    as vLLM's verify pass computes it."""
+    """Add q_j = prod_{i<=j} p~_i(x_i), and q_j (1 - q_j), for each position j of each step; return each
+    step's expected accepted count sum_j q_j. Drafts 1..on_trace equal the trace's tokens, so p~ up to
+    draft on_trace + 1 is the trace's own; past it the drafts left the trace and p~ comes from one
+    batched verify pass over the contexts and drafts, as vLLM's verify pass computes it."""
     chains: list[list[float]] = []
     pending: list[tuple[int, int, list[int]]] = []  # (step, n, drafts) needing the verify pass
     for s, (n, proposals, on_trace) in enumerate(steps):
