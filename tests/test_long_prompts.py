@@ -37,8 +37,9 @@ def test_long_prompts_have_the_requested_lengths_are_deterministic_and_held_out(
     sessions = [tokenizer.decode(ids) for r, ids in zip(rows, prompts) if r["kind"] == "session"]
     assert sessions[-1].count("<|im_assistant|>") >= 3  # several turns, then the open one
     # nothing of the training conversations: no 40-character piece of any of their messages
-    training = [m.get("content") or m.get("value") for row in read_jsonl(REPO / "tests/data/conversations.jsonl")
-                for m in row.get("messages") or row.get("conversations")]  # fmt: skip
+    rows_used = read_jsonl(REPO / "tests/data/conversations.jsonl")
+    training = [m.get("content") or m.get("value")
+                for row in rows_used for m in row.get("messages") or row.get("conversations")]  # fmt: skip
     pieces = {t[i : i + 40] for t in training if t for i in range(0, max(1, len(t) - 39), 10)}
     texts = [tokenizer.decode(ids) for ids in prompts]
     assert pieces and not [p for p in pieces if any(p in t for t in texts)]
