@@ -22,7 +22,12 @@ Engines: sim   this project's PyTorch run of vLLM's EAGLE-3 chain, reading the e
                rejection sampler's coin flips, sum q(1-q)) of the expected ones. Exit 1 otherwise.
 Output:  acceptance_<engine>.json in the export folder (or --out-dir; sampled runs add _t<T>_p<top_p>):
          counters as vLLM names them (num_drafts, num_accepted_tokens, accepted_per_pos), rates, mean
-         acceptance length; sampled simulations also the expected counts and their standard errors.
+         acceptance length; sampled simulations also the expected counts and their standard errors;
+         "acceptance_by_context": per context bucket (0-1k, 1k-2k, 2k-4k, ... of prompt + generated
+         tokens at each verification step; vLLM: whole requests by prompt length, its counters being
+         totals) the drafts, mean acceptance length and its standard error over the steps, also drawn
+         in acceptance_<engine>_by_context.png. Long held-out prompts for it:
+         python -m eagle3_pipeline.export_eval.long_prompts --tokenizer VERIFIER --lengths ... --out F
 
 Examples:
   python 06_evaluate.py --draft-dir runs/kimi/draft --data-path data/mtbench.jsonl --num-prompts 80

@@ -884,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     _print_table(report)
     out = work / (a.report or ("draft_quality_ablations.json" if a.ablations else "draft_quality.json"))
     out.write_text(json.dumps(report, indent=2))
+    _print_by_context(report)  # (each sim cell of the report holds its "acceptance_by_context")
     print(f"wrote {out}")
     return 0
 
@@ -891,6 +892,18 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 def _al(row: dict, engine: str, key: str) -> float | None:
     r = row.get(engine, {}).get(key)
     return None if r is None else r["mean_acceptance_length"]
+
+
+def _print_by_context(report: dict) -> None:
+    """The simulated acceptance length per context bucket (acceptance.by_context, in each sim cell)."""
+    print("\nsimulated AL by context (prompt + generated tokens at the step): bucket AL ± SE (drafts)")
+    for row in report["rows"]:
+        for key, res in row.get("sim", {}).items():
+            buckets = res.get("acceptance_by_context", {}).get("buckets", [])
+            cells = [f"{b['context']} {b['mean_acceptance_length']:.3f}"
+                     + ("" if b["standard_error"] is None else f" ± {b['standard_error']:.3f}")
+                     + f" ({b['num_drafts']})" for b in buckets]  # fmt: skip
+            print(f"| {row['recipe']} | {row['data']} | {key} | " + " | ".join(cells) + " |")
 
 
 def _print_table(report: dict) -> None:

@@ -320,3 +320,94 @@ def test_probabilistic_comparison_allows_vllm_the_drafts_past_each_outputs_end_a
     assert not agree([0.80 + tol + 1e-3, 0.70, 0.60])  # nothing past the end at the first position
     assert not agree([0.80, 0.70, 0.60 + 28 / 928 + tol + 1e-3])
     assert not agree([0.80, 0.70 - tol - 1e-3, 0.60])  # the allowance is one-sided
+
+
+# --- acceptance by context length ----------------------------------------------------------------------
+
+
+def test_context_buckets_double_from_1k_and_are_labelled_in_k_tokens():
+    from eagle3_pipeline.models.acceptance import bucket_label, context_bucket
+
+    assert [context_bucket(c) for c in (0, 1023, 1024, 2047, 2048, 262143)] == [
+        (0, 1024), (0, 1024), (1024, 2048), (1024, 2048), (2048, 4096), (131072, 262144)]  # fmt: skip
+    assert [bucket_label(*context_bucket(c)) for c in (5, 1500, 200_000)] == ["0-1k", "1k-2k", "128k-256k"]
+
+
+def test_steps_are_bucketed_by_prompt_plus_generated_tokens_and_add_up_to_the_totals():
+    # prompt 1020 tokens, 12 new, k = 3, drafts wrong at targets 1022 and 1029. Steps start with
+    # 1021 known (drafts 1021-1023: 1 accepted), 1023 (3 accepted), 1027 (drafts 1027-1029: 2), 1030 (3):
+    # the first two in 0-1k (accepted 1, 3: AL 3.0, SE std/sqrt(2) = 1.0), the others in 1k-2k (2, 3:
+    # AL 3.5, SE 0.5).
+    prompt, max_new, k = 1020, 12, 3
+    seq = torch.arange(prompt + trace_length(max_new, k)) % 50
+    s = _run(seq, prompt, k, max_new, wrong_at={1022, 1029})
+    by = s["acceptance_by_context"]
+    assert "step" in by["unit"]
+    got = [(b["context"], b["num_drafts"], b["num_accepted_tokens"], b["mean_acceptance_length"],
+            b["standard_error"]) for b in by["buckets"]]  # fmt: skip
+    assert got == [("0-1k", 2, 4, 3.0, pytest.approx(1.0)), ("1k-2k", 2, 5, 3.5, pytest.approx(0.5))]
+    assert s["num_drafts"] == 4 and s["accepted_per_pos"] == [4, 3, 2]
+    assert sum(b["num_drafts"] for b in by["buckets"]) == s["num_drafts"]
+    assert sum(b["num_accepted_tokens"] for b in by["buckets"]) == s["num_accepted_tokens"]
+
+
+def test_sampled_buckets_hold_the_expected_acceptance_empty_ones_omitted():
+    from eagle3_pipeline.models.acceptance import by_context
+
+    # (context, accepted, expected accepted) per step; nothing between 2k and 128k
+    steps = [(10, 1, 0.5), (1500, 0, 0.25), (1900, 2, 1.0), (200_000, 1, 0.75)]
+    buckets = by_context(steps, sampled=True)["buckets"]
+    assert [b["context"] for b in buckets] == ["0-1k", "1k-2k", "128k-256k"]
+    one = buckets[1]
+    assert one["mean_acceptance_length"] == pytest.approx(1.625)  # 1 + mean(0.25, 1.0)
+    assert one["standard_error"] == pytest.approx(0.375)  # sample std 0.530 / sqrt(2)
+    assert one["sampled_mean_acceptance_length"] == pytest.approx(2.0)  # 1 + mean(0, 2)
+    assert buckets[0]["standard_error"] is None  # one step: no spread to estimate
+
+    # the simulator's sampled steps: bucket expectations weighted by drafts give the summary's
+    V, k, max_new = 6, 3, 12
+    P, f, verify = _bigram_world(V)
+    counts = AcceptanceCounts(k)
+    for i in range(3):
+        gen = torch.Generator().manual_seed(i)
+        seq = [0, 1] * 510  # 1020 tokens: the steps cross into 1k-2k
+        for _ in range(trace_length(max_new, k)):
+            seq.append(int(torch.multinomial(P[seq[-1]], 1, generator=gen)))
+        probs = torch.stack([P[seq[t - 1]] for t in range(1020, len(seq))])
+        simulate_sequence(BigramDraft(f), torch.zeros(len(seq), 1), torch.tensor(seq), 1020, k, counts,
+                          max_new, probs, verify)  # fmt: skip
+    s = counts.summary(sampled=True)
+    buckets = s["acceptance_by_context"]["buckets"]
+    assert [b["context"] for b in buckets] == ["0-1k", "1k-2k"]
+    weighted = sum((b["mean_acceptance_length"] - 1) * b["num_drafts"] for b in buckets)
+    assert weighted == pytest.approx(sum(s["expected_accepted_per_pos"]))
+    assert sum(b["num_accepted_tokens"] for b in buckets) == s["num_accepted_tokens"]
+
+
+def test_vllm_counters_are_reported_per_prompt_bucket_and_merged_in_request_order():
+    from eagle3_pipeline.models.acceptance import Sampling
+    from eagle3_pipeline.vllm_side.vllm_engine import merge_bucket_results, prompt_buckets, sampling_fields
+
+    prompts = [[1] * 10, [1] * 3000, [1] * 20, [1] * 1500]
+    groups = prompt_buckets(prompts)
+    assert groups == [((0, 1024), [0, 2]), ((1024, 2048), [3]), ((2048, 4096), [1])]
+    # each call's requests keep the seed of their place in the whole run
+    assert sampling_fields(Sampling(1.0, seed=5), 2, [0, 2])["seeds"] == [5, 7]
+
+    def answer(outputs, drafts, per_pos):
+        return {"outputs": outputs, "finish_reasons": ["length"] * len(outputs), "num_drafts": drafts,
+                "num_draft_tokens": 2 * drafts, "num_accepted_tokens": sum(per_pos),
+                "accepted_per_pos": per_pos, "mean_acceptance_length": 1 + sum(per_pos) / drafts,
+                "generate_s": 1.0}  # fmt: skip
+
+    parts = [(groups[0][0], [0, 2], answer([[0], [2]], 4, [3, 1])),
+             (groups[1][0], [3], answer([[3]], 2, [2, 2])),
+             (groups[2][0], [1], answer([[1]], 2, [0, 0]))]  # fmt: skip
+    m = merge_bucket_results(4, parts)
+    assert m["outputs"] == [[0], [1], [2], [3]]
+    assert (m["num_drafts"], m["num_accepted_tokens"], m["accepted_per_pos"]) == (8, 8, [5, 3])
+    assert m["acceptance_rate_per_pos"] == [5 / 8, 3 / 8] and m["mean_acceptance_length"] == 2.0
+    by = m["acceptance_by_context"]
+    assert "prompt length" in by["unit"]
+    assert [(b["context"], b["num_requests"], b["mean_acceptance_length"]) for b in by["buckets"]] == [
+        ("0-1k", 2, 2.0), ("1k-2k", 1, 3.0), ("2k-4k", 1, 1.0)]  # fmt: skip

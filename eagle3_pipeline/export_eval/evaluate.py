@@ -323,7 +323,11 @@ def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
 
 def _write_result(cfg: EvaluateConfig, out_dir: Path, result: dict[str, Any], sampling: Sampling) -> Path:
     """The result JSON and its plot in out_dir; the JSON's path."""
-    from eagle3_pipeline.training.plots import write_acceptance_plot  # matplotlib only once there is a result
+    from eagle3_pipeline.training.plots import (  # matplotlib only once there is a result
+        by_context_plot_path,
+        write_acceptance_by_context_plot,
+        write_acceptance_plot,
+    )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / result_name(cfg.engine, sampling, cfg.draft_sample_method)
@@ -335,7 +339,10 @@ def _write_result(cfg: EvaluateConfig, out_dir: Path, result: dict[str, Any], sa
     if not sampling.greedy:
         title += f", temperature {sampling.temperature:g} / top_p {sampling.top_p:g}"
     plot = write_acceptance_plot(path.with_suffix(".png"), engines, title)
-    log.info("wrote %s and %s", path, plot)
+    by_context = write_acceptance_by_context_plot(
+        by_context_plot_path(plot), engines, title.replace("per position", "by context length")
+    )
+    log.info("wrote %s, %s and %s", path, plot, by_context)
     return path
 
 
@@ -357,3 +364,7 @@ def _log(engine: str, s: dict[str, Any]) -> None:
         " ".join(f"{r:.3f}" for r in s["acceptance_rate_per_pos"]),
         s["num_drafts"],
     )
+    for b in s.get("acceptance_by_context", {}).get("buckets", []):
+        se = "" if b["standard_error"] is None else f" +- {b['standard_error']:.3f}"
+        log.info("%s | context %s | mean acceptance length %.3f%s | drafts %d",
+                 engine, b["context"], b["mean_acceptance_length"], se, b["num_drafts"])  # fmt: skip

@@ -44,6 +44,11 @@ vLLM's drafts exactly and its accepted counts up to those, and the expected coun
 differ from vLLM's realised ones only by the rejection sampler's coin flips, whose variance given the
 steps is sum q (1 - q) per position (`expected_variance_per_pos`): a test of vLLM's acceptance rule
 with no trace noise in it (evaluate.compare).
+
+Acceptance by context length: every step is also recorded with its context, the tokens the verifier has
+seen when it verifies the step's drafts (prompt + tokens emitted so far, `n` below), and its accepted count
+(sampled: also the expected one). `by_context` groups the steps into power-of-two buckets of context
+(`context_bucket`): each bucket's mean acceptance length and its standard error over the bucket's steps.
 """
 
 from __future__ import annotations
@@ -59,6 +64,14 @@ from eagle3_pipeline.models.reference_draft import ReferenceDraft
 
 # vLLM treats a temperature below this as greedy (vllm/v1/sample/sampler.py, _SAMPLING_EPS)
 SAMPLING_EPS = 1e-5
+
+# Context buckets: [0, 1k), [1k, 2k), [2k, 4k), ... doubling up to Kimi-K2.5's 256k positions and past.
+# Powers of two because acceptance is reported to fall roughly with log(context) (EAGLE-3 on Qwen3-8B:
+# acceptance length 2.3 at 2k, 1.7 at 8k, 1.1 at 16k), and serving prompts below 1k are one regime.
+FIRST_CONTEXT_BUCKET_END = 1024
+# What one observation of a bucket's standard error is (each step's accepted count; steps of one request
+# share its trace, so the error is a lower bound where a bucket holds many steps of few requests).
+BY_CONTEXT_UNIT = "verification step (accepted drafts + 1)"
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,8 @@ class AcceptanceCounts:
     expected_variance_per_pos: list[float] = field(default_factory=list)
     unverifiable_per_pos: list[int] = field(default_factory=list)
     per_request: list[tuple[int, list[int]]] = field(default_factory=list)  # (drafts, accepted per pos)
+    # per step: (context, accepted, expected accepted): what `by_context` buckets
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -158,7 +173,57 @@ class AcceptanceCounts:
             out["rate_standard_error_per_pos"] = self.rate_standard_errors()
             out["expected_variance_per_pos"] = self.expected_variance_per_pos
             out["unverifiable_per_pos"] = self.unverifiable_per_pos
+        out["acceptance_by_context"] = by_context(self.steps, sampled)
         return out
+
+
+def context_bucket(context: int) -> tuple[int, int]:
+    """[lo, hi) of the context bucket that holds a step verified at `context` tokens: [0,
+    FIRST_CONTEXT_BUCKET_END), then powers of two, [2^m, 2^(m+1))."""
+    if context < 0:
+        raise ValueError(f"context {context} < 0")
+    if context < FIRST_CONTEXT_BUCKET_END:
+        return 0, FIRST_CONTEXT_BUCKET_END
+    lo = 1 << (context.bit_length() - 1)
+    return lo, 2 * lo
+
+
+def bucket_label(lo: int, hi: int) -> str:
+    """"0-1k", "1k-2k", ... "128k-256k" (k = 1024 tokens)."""
+
+    def short(n: int) -> str:
+        return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
+
+    return f"{short(lo)}-{short(hi)}"
+
+
+def by_context(steps: list[tuple[int, int, float]], sampled: bool = False) -> dict[str, Any]:
+    """The steps' acceptance per context bucket, ascending, empty buckets omitted: steps (drafts), accepted
+    tokens, mean acceptance length 1 + mean accepted and its standard error std / sqrt(steps) (sample
+    std over the bucket's steps; None below 2 steps). Sampled: the expected accepted counts, as the
+    summary's mean acceptance length, the realisation's mean beside it."""
+    groups: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for step in steps:
+        groups.setdefault(context_bucket(step[0]), []).append(step)
+    buckets = []
+    for (lo, hi), members in sorted(groups.items()):
+        values = [float(e) if sampled else float(a) for _, a, e in members]
+        n = len(values)
+        mean = sum(values) / n
+        se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else None
+        bucket = {
+            "context": bucket_label(lo, hi),
+            "context_min": lo,
+            "context_max": hi,  # exclusive
+            "num_drafts": n,
+            "num_accepted_tokens": sum(a for _, a, _ in members),
+            "mean_acceptance_length": 1.0 + mean,
+            "standard_error": se,
+        }
+        if sampled:
+            bucket["sampled_mean_acceptance_length"] = 1.0 + bucket["num_accepted_tokens"] / n
+        buckets.append(bucket)
+    return {"unit": BY_CONTEXT_UNIT, "buckets": buckets}
 
 
 def trace_length(max_new_tokens: int, k: int) -> int:
@@ -229,8 +294,10 @@ def simulate_sequence(
         for _, _, accepted in steps:
             for j in range(accepted):
                 counts.expected_accepted_per_pos[j] += 1.0
+        expected = [float(accepted) for _, _, accepted in steps]
     else:
-        _add_expected(counts, seq, prompt_len, steps, trace_probs, verify)
+        expected = _add_expected(counts, seq, prompt_len, steps, trace_probs, verify)
+    counts.steps += [(at, accepted, e) for (at, _, accepted), e in zip(steps, expected)]
     _record_request(counts, drafts0, accepted0)
 
 
@@ -300,12 +367,14 @@ def probabilistic_step(
     accepted = next((j for j, (a, x) in enumerate(zip(chain, u)) if x >= a), len(chain))
     counts.num_drafts += 1
     counts.num_draft_tokens += k
-    q = 1.0
+    q, expected = 1.0, 0.0
     for j, a in enumerate(chain):
         counts.accepted_per_pos[j] += int(j < accepted)
         q *= a
+        expected += q
         counts.expected_accepted_per_pos[j] += q
         counts.expected_variance_per_pos[j] += q * (1.0 - q)
+    counts.steps.append((n, accepted, expected))
     return accepted
 
 
@@ -316,11 +385,11 @@ def _add_expected(
     steps: list[tuple[int, list[int], int]],
     trace_probs: torch.Tensor,
     verify: VerifyPass | None,
-) -> None:
-    """Add q_j = prod_{i<=j} p~_i(x_i), and q_j (1 - q_j), for each position j of each step. Drafts
-    1..on_trace equal the trace's tokens, so p~ up to draft on_trace + 1 is the trace's own; past it
-    the drafts left the trace and p~ comes from one batched verify pass over the contexts and drafts,
-    as vLLM's verify pass computes it."""
+) -> list[float]:
+    """Add q_j = prod_{i<=j} p~_i(x_i), and q_j (1 - q_j), for each position j of each step; return each
+    step's expected accepted count sum_j q_j. Drafts 1..on_trace equal the trace's tokens, so p~ up to
+    draft on_trace + 1 is the trace's own; past it the drafts left the trace and p~ comes from one
+    batched verify pass over the contexts and drafts, as vLLM's verify pass computes it."""
     chains: list[list[float]] = []
     pending: list[tuple[int, int, list[int]]] = []  # (step, n, drafts) needing the verify pass
     for s, (n, proposals, on_trace) in enumerate(steps):
@@ -338,12 +407,16 @@ def _add_expected(
         for (s, _, drafts), probs in zip(pending, verify(seq, [(n, d) for _, n, d in pending])):
             proposals = steps[s][1]
             chains[s] += [float(probs[j, proposals[j]]) for j in range(len(chains[s]), len(proposals))]
+    per_step = []
     for chain in chains:
-        q = 1.0
+        q, expected = 1.0, 0.0
         for j, p in enumerate(chain):
             q *= p
+            expected += q
             counts.expected_accepted_per_pos[j] += q
             counts.expected_variance_per_pos[j] += q * (1.0 - q)
+        per_step.append(expected)
+    return per_step
 
 
 def verifier_trace_with_aux(

@@ -6,7 +6,8 @@ and lr.png (the planned schedule and the logged values), all against the global 
 drawn from train_log.jsonl and the validation history the checkpoints carry, so a resumed run redraws
 them whole: a log line written twice (after the last checkpoint of an interrupted run, then again by
 the resume) counts once, the later one.
-Stage 06 writes acceptance_<engine>.png beside its JSON: accepted rate per draft position.
+Stage 06 writes acceptance_<engine>.png beside its JSON: accepted rate per draft position; and
+acceptance_<engine>_by_context.png: mean acceptance length per context bucket (log2 axis), +- its error.
 Each PNG names what it holds in its metadata ("Series": JSON {label: number of points}), for the tests
 and for anyone checking a plot without looking at it.
 
@@ -141,6 +142,39 @@ def write_acceptance_plot(path: Path, results: dict[str, dict[str, Any]], title:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path, {k: len(s["acceptance_rate_per_pos"]) for k, s in results.items()})
+
+
+def by_context_plot_path(acceptance_png: Path) -> Path:
+    """acceptance_<engine>[...]_by_context.png beside acceptance_<engine>[...].png."""
+    return acceptance_png.with_name(acceptance_png.stem + "_by_context.png")
+
+
+def write_acceptance_by_context_plot(path: Path, results: dict[str, dict[str, Any]], title: str) -> Path:
+    """Mean acceptance length against context length, one line per result (its
+    "acceptance_by_context" buckets, acceptance.by_context), each bucket at its geometric middle on a log2
+    axis (the first, from 0, at half its end) with +- one standard error."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    series, ticks = {}, {}
+    for label, summary in results.items():
+        buckets = summary.get("acceptance_by_context", {}).get("buckets", [])
+        if not buckets:  # (no drafts, or a result without buckets): no line
+            continue
+        xs = [(b["context_min"] * b["context_max"]) ** 0.5 or b["context_max"] / 2 for b in buckets]
+        ys = [b["mean_acceptance_length"] for b in buckets]
+        errs = [b["standard_error"] or 0.0 for b in buckets]
+        ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=label)
+        ticks.update({x: b["context"] for x, b in zip(xs, buckets)})
+        series[label] = len(buckets)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)], fontsize=7)
+    ax.minorticks_off()
+    ax.set(title=title, xlabel="context (prompt + generated tokens) at the verification step",
+           ylabel="mean acceptance length")  # fmt: skip
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    return _save(fig, path, series)
 
 
 def png_series(path: Path) -> dict[str, int]:

@@ -91,15 +91,16 @@ def generate_fields(
     }
 
 
-def sampling_fields(sampling: Any, num_prompts: int) -> dict[str, Any]:
-    """The worker's sampling keys for acceptance.Sampling (None: greedy): one seed per request."""
+def sampling_fields(sampling: Any, num_prompts: int, indices: list[int] | None = None) -> dict[str, Any]:
+    """The worker's sampling keys for acceptance.Sampling (None: greedy): one seed per request, request i
+    (`indices`: the requests' places in the whole run, default 0..num_prompts-1) seeded seed + i."""
     if sampling is None or sampling.greedy:
         return {}
     return {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "seeds": [sampling.seed + i for i in range(num_prompts)],
+        "seeds": [sampling.seed + i for i in (range(num_prompts) if indices is None else indices)],
     }
 
 
@@ -270,9 +271,84 @@ def generate(
 ) -> dict[str, Any]:
     """Generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs. Greedy, or
     `sampling` (acceptance.Sampling): request i seeded sampling.seed + i (vLLM 0.32 does not seed the
-    draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`)."""
-    return generate_each(verifier, draft, prompts, max_new_tokens, k, [sampling], python, trust_remote_code,
-                         draft_sample_method)[0]  # fmt: skip
+    draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`).
+
+    vLLM's spec-decode counters are totals over a generate call, with nothing per request or per step, so
+    acceptance by context comes from one call per prompt-length bucket (acceptance.context_bucket of the
+    prompt) in one engine: "acceptance_by_context" buckets whole requests by their prompt length."""
+    fields = generate_fields(
+        verifier, draft, prompts, max_new_tokens, k, trust_remote_code, draft_sample_method
+    )
+    # one engine for every bucket: sized for the longest request, as the worker sizes a single call
+    fields["max_model_len"] = max(MIN_MAX_MODEL_LEN, max(map(len, prompts)) + max_new_tokens + k + 1)
+    groups = prompt_buckets(prompts)
+    with WorkerSession(python) as session:
+        parts = [
+            (bucket, idx, session.request({**fields, "prompts": [prompts[i] for i in idx],
+                                           **sampling_fields(sampling, len(idx), idx)}))
+            for bucket, idx in groups
+        ]  # fmt: skip
+    return merge_bucket_results(len(prompts), parts)
+
+
+MIN_MAX_MODEL_LEN = 512  # the worker's DEFAULT_MAX_MODEL_LEN (eagle3_vllm/worker.py)
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+BY_PROMPT_UNIT = "whole requests by prompt length (vLLM's counters are totals per call)"
+
+
+def prompt_buckets(prompts: list[list[int]]) -> list[tuple[tuple[int, int], list[int]]]:
+    """The requests' indices per context bucket of their prompt length, buckets ascending."""
+    from eagle3_pipeline.models.acceptance import context_bucket
+
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(context_bucket(len(p)), []).append(i)
+    return sorted(groups.items())
+
+
+def merge_bucket_results(
+    num_requests: int, parts: list[tuple[tuple[int, int], list[int], dict[str, Any]]]
+) -> dict[str, Any]:
+    """One result of the worker's per-bucket answers ((bucket, request indices, answer)): outputs in
+    request order, counters summed and rates recomputed, as one call over all the requests reports
+    them, plus "acceptance_by_context" per prompt bucket (no standard error: vLLM gives no per-step
+    counts)."""
+    from eagle3_pipeline.models.acceptance import bucket_label
+
+    merged: dict[str, Any] = dict(parts[0][2])
+    outputs: list[Any] = [None] * num_requests
+    finish: list[Any] = [None] * num_requests
+    for _, idx, answer in parts:
+        for j, i in enumerate(idx):
+            outputs[i] = answer["outputs"][j]
+            finish[i] = answer.get("finish_reasons", [None] * len(idx))[j]
+    merged["outputs"], merged["finish_reasons"] = outputs, finish
+    for key in COUNTERS:
+        merged[key] = sum(a[key] for _, _, a in parts)
+    per_pos = [a["accepted_per_pos"] for _, _, a in parts]
+    merged["accepted_per_pos"] = [sum(c) for c in zip(*per_pos)]
+    drafts = merged["num_drafts"]
+    merged["acceptance_rate_per_pos"] = [c / drafts if drafts else 0.0 for c in merged["accepted_per_pos"]]
+    merged["mean_acceptance_length"] = 1.0 + merged["num_accepted_tokens"] / drafts if drafts else None
+    merged["generate_s"] = sum(a.get("generate_s", 0.0) for _, _, a in parts)
+    merged["acceptance_by_context"] = {
+        "unit": BY_PROMPT_UNIT,
+        "buckets": [
+            {
+                "context": bucket_label(lo, hi),
+                "context_min": lo,
+                "context_max": hi,  # exclusive; of the prompts: each request's context grows past it
+                "num_requests": len(idx),
+                "num_drafts": a["num_drafts"],
+                "num_accepted_tokens": a["num_accepted_tokens"],
+                "mean_acceptance_length": a["mean_acceptance_length"],
+                "standard_error": None,
+            }
+            for (lo, hi), idx, a in parts
+            if a["num_drafts"]  # a bucket without drafts is omitted, as an empty one
+        ],
+    }
+    return merged
 
 
 def generate_each(
