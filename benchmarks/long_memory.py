@@ -126,7 +126,8 @@ def run_point(shape: str, impl: str, n: int, timeout: float, max_gb: float, thre
 
 
 def machine() -> dict[str, Any]:
-    import speculators
+    from importlib.metadata import version
+
     import transformers
 
     return {
@@ -137,7 +138,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "speculators": speculators.__version__,
+        "speculators": version("speculators"),
         "attn_chunk": kernels.ATTN_CHUNK,
     }
 
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny to 16k, SmolLM2-135M shapes to 4k")
     p.add_argument("--max-gb", type=float, default=8.0, help="skip points estimated above this (GiB)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per point")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="these sample lengths instead")
+    p.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS), help="only these paths")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per point (default: torch's; 1 on a machine shared with other jobs)")
     p.add_argument("--out", default=None, help="JSON output (default: benchmarks/long_memory.json)")
@@ -191,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for shape, lengths in (QUICK if a.quick else FULL).items():
-        for n in lengths:
-            for impl in IMPLS:
+        if a.shapes and shape not in a.shapes:
+            continue
+        for n in a.lengths or lengths:
+            for impl in a.impls:
                 rows.append(run_point(shape, impl, n, a.timeout, a.max_gb, a.threads))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     out = {"machine": machine(), "ttt_steps": TTT, "quick": a.quick, "rows": rows, "summary": summary(rows)}
