@@ -301,7 +301,8 @@ REVIEWED = [
     ("vocab", ["--draft-vocab-size", "0"], "--draft-vocab-size must be >= 1, got 0"),
 ]
 CASES = REVIEWED + [
-    ("train", ["--attn-impl", "fast"], "--attn-impl must be one of auto, flex, sdpa, eager, got 'fast'"),
+    ("train", ["--attn-impl", "fast"],
+     "--attn-impl must be one of auto, flex, sdpa, eager, blockwise, got 'fast'"),
     ("train", ["--loss", '{"ce": -1}'], "--loss must weigh each loss by a finite number >= 0"),
     ("extract", ["--aux-layer-ids", "0", "30"], "--aux-layer-ids must be >= 1 (each), got [0, 30]"),
 ]

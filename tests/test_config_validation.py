@@ -242,7 +242,7 @@ RECHECKS = [
     ("state_dtype.resolve_storage_dtype (cache)", TrainConfig, {"cache_dtype": "none"},
      "--cache-dtype must be one of bfloat16, float32, float8_e4m3fn"),
     ("kernel_policy.resolve attn_impl", TrainConfig, {"attn_impl": "flash"},
-     "--attn-impl must be one of auto, flex, sdpa, eager, got 'flash'"),
+     "--attn-impl must be one of auto, flex, sdpa, eager, blockwise, got 'flash'"),
     ("kernel_policy.resolve loss_impl", TrainConfig, {"loss_impl": "triton"}, "--loss-impl must be one of"),
     ("kernel_policy.resolve compile", TrainConfig, {"compile": "maybe"}, "--compile must be one of"),
     ("kernel_policy.check_loss", TrainConfig, {"loss": "kl"}, "--loss must be one of ce, kl_div"),

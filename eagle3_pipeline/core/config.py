@@ -31,8 +31,9 @@ from eagle3_pipeline.core.trackers import KNOWN_LOGGERS
 
 # Names that modules importing torch act on, owned here so that parsing a config never imports torch;
 # kernel_policy.py, state_dtype.py, acceptance.py, extract.py, train.py and the engines import them.
-ATTN_IMPLS = ("auto", "flex", "sdpa", "eager")  # "auto" first: kernel_policy.py takes ATTN_IMPLS[1:]
-LOSS_IMPLS = ("auto", "fused", "eager")
+# "auto" first: kernel_policy.py takes ATTN_IMPLS[1:]
+ATTN_IMPLS = ("auto", "flex", "sdpa", "eager", "blockwise")
+LOSS_IMPLS = ("auto", "fused", "eager", "chunked")
 COMPILE_MODES = ("auto", "off", "on")
 FP8 = "float8_e4m3fn"  # the fp8 storage dtype (state_dtype.py)
 NO_STATES = "none"  # storage dtype of token shards: ids and loss masks only, states come online (stage 04)
@@ -584,12 +585,14 @@ class TrainConfig(Settings):
     attn_impl: str = _f(
         "auto",
         "Draft attention: auto (flex on CUDA, sdpa on CPU), flex (speculators' block-sparse "
-        "simple_flex_attention; no backward on CPU), sdpa (dense mask), eager (dense mask, scores kept).",
+        "simple_flex_attention; no backward on CPU), sdpa (dense mask), eager (dense mask, scores kept), "
+        "blockwise (query chunks, no mask: memory linear in the row's length; models/linear_memory.py).",
         choices=ATTN_IMPLS,
     )
     loss_impl: str = _f(
         "auto",
-        "Loss kernels: auto (fused where CUDA and Triton are present, else eager), fused, eager.",
+        "Loss kernels: auto (fused where CUDA and Triton are present, else eager), fused, eager, chunked "
+        "(head and loss per chunk of positions, recomputed in backward: no [tokens, draft vocab] kept).",
         choices=LOSS_IMPLS,
     )
     compile: str = _f(

@@ -19,7 +19,7 @@ import torch
 from eagle3_pipeline.core import rope_scaling
 from eagle3_pipeline.core.config import check_draft_shape
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.models import mla_draft
+from eagle3_pipeline.models import linear_memory, mla_draft
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,8 @@ def build_draft(spec: DraftSpec, attn_impl: str = "sdpa") -> Any:
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     check_spec(spec)
+    if attn_impl == linear_memory.BLOCKWISE_ATTN:
+        linear_memory.register()
     # A parallel draft is speculators' PEagleDraftModel (Eagle3DraftModel + the mask_hidden parameter);
     # its forward is training/parallel.py's, which samples as speculators does and runs vLLM's layout.
     cls, config_cls = (PEagleDraftModel, PEagleSpeculatorConfig) if spec.parallel else (

@@ -26,6 +26,11 @@ every batch to one fixed length, train/data.py CollateFn):
   at most a quarter of a batch padded (greedy packing fills most rows close to batch_tokens).
 Padding leaves the loss and the metrics' counts unchanged (align_for_step masks by loss_mask; padding's
 loss mask is 0), up to float summation order.
+
+Long rows (models/linear_memory.py): attn_impl `blockwise` (no [T, T] mask, scores per query chunk) and
+loss_impl `chunked` (no [T, draft vocab] logits kept for backward) run linear_memory.ttt_forward, the same
+TTT loop outside speculators' forward, which is therefore never compiled: `auto` turns compile off for
+them and `on` is refused. `auto` keeps sdpa + eager on CPU: benchmarks/long_memory.py measures both.
 """
 
 from __future__ import annotations
@@ -40,22 +45,30 @@ import torch
 
 from eagle3_pipeline.core.config import ATTN_IMPLS  # the flag's choices, owned there
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.models.linear_memory import ATTN_CHUNK, BLOCKWISE_ATTN
 
 FLEX_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, the Q and KV block of create_block_mask
 NUM_BUCKETS = 4  # compile on: rows padded to batch_tokens * k/4 (k = 1..4), rounded up to FLEX_BLOCK
 # speculators' name for flex in the decoder config (ALL_ATTENTION_FUNCTIONS, models/attention.py)
-HF_ATTN_NAMES = {"flex": "simple_flex_attention", "sdpa": "sdpa", "eager": "eager"}
+HF_ATTN_NAMES = {
+    "flex": "simple_flex_attention", "sdpa": "sdpa", "eager": "eager", "blockwise": BLOCKWISE_ATTN,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Kernels:
     """The resolved choice; `to_json` is what meta.json records under "kernels"."""
 
-    attn_impl: str  # flex | sdpa | eager
-    loss_impl: str  # fused | eager
+    attn_impl: str  # flex | sdpa | eager | blockwise
+    loss_impl: str  # fused | eager | chunked
     compile: bool
     pad_multiple: int = 1  # rows padded to a multiple of this (1: never padded)
     length_buckets: tuple[int, ...] = ()  # compile: rows padded up to the smallest bucket that holds them
+
+    @property
+    def linear_memory(self) -> bool:
+        """Whether the forward is linear_memory.ttt_forward (blockwise attention or the chunked loss)."""
+        return self.attn_impl == "blockwise" or self.loss_impl == "chunked"
 
     @property
     def hf_attn_impl(self) -> str:
@@ -98,7 +111,13 @@ def resolve(
         raise UserError(
             "loss_impl fused: speculators' fused losses are Triton kernels and need CUDA and Triton"
         )
-    compiled = compile == "on" or (compile == "auto" and cuda)
+    linear = attn == "blockwise" or loss == "chunked"
+    if linear and compile == "on":
+        raise UserError(
+            f"compile on: attn_impl {attn} / loss_impl {loss} train through linear_memory.ttt_forward, "
+            "which is not compiled; use compile auto or off"
+        )
+    compiled = compile == "on" or (compile == "auto" and cuda and not linear)
     if attn == "flex" and cuda and not compiled:
         # uncompiled, flex_attention runs torch's reference path, which materialises the [H, T, KV] scores
         # (fp32: 256 GiB at the Kimi row); speculators gets the fused kernel from compiling the forward
@@ -118,7 +137,9 @@ def loss_config(k: Kernels, spec: str = "kl_div") -> dict[str, Any]:
     device's implementation: a speculators loss name or JSON weights such as '{"kl_div": 0.5, "ce": 0.5}'."""
     from speculators.losses.utils import resolve_loss_config
 
-    return resolve_loss_config(spec, k.loss_impl)  # fused kernels are imported on first call
+    # chunked: speculators' eager per-position losses, called per chunk by linear_memory.chunked_step_loss
+    impl = "eager" if k.loss_impl == "chunked" else k.loss_impl
+    return resolve_loss_config(spec, impl)  # fused kernels are imported on first call
 
 
 def padded_length(n: int, k: Kernels) -> int:
@@ -196,6 +217,9 @@ def attention_extra_terms(
     - eager, "masks": bf16 additive masks (create_float_mask's default dtype, 2 bytes), 2 T^2 (2 ttt + 1).
       "saved_for_backward": per step the fp32 softmax output [H, T, KV] and its compute-dtype copy
       that multiplies V (transformers eager_attention_forward): sum_s H T^2 (s + 1) (4 + dtype_bytes).
+    - blockwise (linear_memory.py), "masks": one query chunk's boolean mask over its keys at the last
+      step, at most ATTN_CHUNK (T + ttt ATTN_CHUNK), transient; "saved_for_backward": nothing (each chunk
+      is recomputed in backward).
     - flex, "masks": create_block_mask builds the dense [T, T] boolean mask and a padded copy before
       reducing them to blocks (2 T^2, transient) and keeps int32 block indices [T/128, KV/128] for
       partial and full blocks. "saved_for_backward": a fp32 logsumexp [H, T] per step.
@@ -211,6 +235,9 @@ def attention_extra_terms(
             "masks": 2 * t * t * (2 * ttt_steps + 1),
             "saved_for_backward": num_heads * t * t * steps_kv * (4 + dtype_bytes),
         }
+    if attn_impl == "blockwise":
+        chunk = min(ATTN_CHUNK, t)
+        return {"masks": chunk * (t + ttt_steps * chunk), "saved_for_backward": 0}
     q_blocks = math.ceil(t / FLEX_BLOCK)
     index_bytes = 2 * 4 * q_blocks * q_blocks * (ttt_steps + 1)
     return {"masks": 2 * t * t + index_bytes, "saved_for_backward": ttt_steps * num_heads * t * 4}

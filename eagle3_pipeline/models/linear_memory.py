@@ -1,0 +1,301 @@
+"""A TTT training forward whose memory grows linearly with the packed row's length L.
+
+speculators' Eagle3DraftModel.forward (models/eagle3/core.py) holds, besides the activations every
+implementation keeps, a dense [L, L * (s + 1)] attention mask per TTT step s (sdpa / eager; flex's
+create_block_mask builds the dense [L, L] one transiently), the verifier's [L, draft vocab] fp32 logits
+for the whole forward, and per step the [L, draft vocab] fp32 tensors its loss saves for backward.
+`ttt_forward` is that forward, step for step, with two pieces swapped in (each optional, so tests can
+swap one at a time; kernel_policy.py picks them):
+
+- blockwise attention (`DocumentMask` + `blockwise_attention`, the decoder config's attention
+  implementation BLOCKWISE_ATTN): query chunks of ATTN_CHUNK tokens attend to the keys the TTT mask lets
+  them see, built per chunk from the document ids: in step 0's keys those of the chunk's documents up to
+  the chunk's end (causal, same document, padding id -1 sees only itself), in each later step's keys
+  only the query's own position. A custom autograd function keeps q, k, v and recomputes each chunk in
+  backward, so neither scores nor masks outlive a chunk.
+- a chunked head and loss (`chunked_step_loss`): per LOSS_CHUNK positions, the draft's logits, the
+  verifier's logits and the recipe's per-position losses under torch.utils.checkpoint, so backward
+  recomputes one chunk's [chunk, draft vocab] logits at a time instead of keeping them for every
+  position. The losses are speculators' eager ones (any loss_config of per-position functions, the
+  served-distribution wrappers of train_metrics.Recipe included), reduced as its loss_function does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+BLOCKWISE_ATTN = "eagle3_blockwise"  # the name registered in transformers' AttentionInterface
+# Query positions per attention chunk: its transient scores are [heads, chunk, keys of its documents].
+ATTN_CHUNK = 512
+# Positions per loss chunk: a few [chunk, draft vocab] fp32 tensors live at a time (256 MB at 32k vocab).
+LOSS_CHUNK = 2048
+LOSS_REDUCTION_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS (losses/utils.py loss_function)
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """The TTT attention mask of a packed row, kept as its document ids [L] (no [L, L] tensor):
+    `first[i]` is the first position of position i's document (-1 padding counts as one document)."""
+
+    doc: torch.Tensor
+    first: torch.Tensor
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor) -> DocumentMask:
+        doc = document_ids.reshape(-1)
+        _, inverse = torch.unique(doc, return_inverse=True)
+        idx = torch.arange(doc.numel(), device=doc.device)
+        first = torch.full((int(inverse.max()) + 1,), doc.numel(), dtype=idx.dtype, device=doc.device)
+        first = first.scatter_reduce(0, inverse, idx, "amin")
+        return cls(doc, first[inverse])
+
+    def chunks(self, chunk: int) -> list[tuple[int, int, int]]:
+        """(start, end, first key) per query chunk: no key before `first key` shares a document with it."""
+        n = self.doc.numel()
+        starts = list(range(0, n, chunk))
+        lows = [int(self.first[a : a + chunk].min()) for a in starts]
+        return [(a, min(a + chunk, n), lo) for a, lo in zip(starts, lows)]
+
+    def chunk_mask(self, a: int, b: int, lo: int, steps: int) -> torch.Tensor:
+        """The boolean mask [b - a, (b - lo) + (steps - 1) * (b - a)] of queries a..b-1 over the keys
+        `_chunk_keys` gathers: step 0's keys lo..b-1, then each later step's own positions a..b-1."""
+        q = torch.arange(a, b, device=self.doc.device)
+        k = torch.arange(lo, b, device=self.doc.device)
+        dq, dk = self.doc[a:b, None], self.doc[None, lo:b]
+        base = ((k[None] <= q[:, None]) & (dq == dk) & (dq != -1)) | (k[None] == q[:, None])
+        diag = torch.eye(b - a, dtype=torch.bool, device=self.doc.device)
+        return torch.cat([base, *[diag] * (steps - 1)], dim=1)
+
+
+def _chunk_keys(x: torch.Tensor, a: int, b: int, lo: int, n: int, steps: int) -> list[torch.Tensor]:
+    """x's [.., keys, ..] slices a chunk reads: step 0's lo..b-1, then a..b-1 of each later step."""
+    return [x[:, :, lo:b]] + [x[:, :, s * n + a : s * n + b] for s in range(1, steps)]
+
+
+def _chunk_attention(q: torch.Tensor, ks: list, vs: list, mask: torch.Tensor, scale: Any) -> torch.Tensor:
+    k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class _BlockwiseTTTAttention(torch.autograd.Function):
+    """softmax(q k^T * scale + TTT mask) v, one query chunk at a time; backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
+                scale: Any, chunk: int) -> torch.Tensor:  # fmt: skip
+        n = q.shape[2]
+        steps = k.shape[2] // n
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        for a, b, lo in mask.chunks(chunk):
+            ks, vs = _chunk_keys(k, a, b, lo, n, steps), _chunk_keys(v, a, b, lo, n, steps)
+            out[:, :, a:b] = _chunk_attention(q[:, :, a:b], ks, vs, mask.chunk_mask(a, b, lo, steps), scale)
+        ctx.save_for_backward(q, k, v)
+        ctx.mask, ctx.scale, ctx.chunk = mask, scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        q, k, v = ctx.saved_tensors
+        n = q.shape[2]
+        steps = k.shape[2] // n
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, lo in ctx.mask.chunks(ctx.chunk):
+            with torch.enable_grad():
+                qc = q[:, :, a:b].detach().requires_grad_()
+                ks = [t.detach().requires_grad_() for t in _chunk_keys(k, a, b, lo, n, steps)]
+                vs = [t.detach().requires_grad_() for t in _chunk_keys(v, a, b, lo, n, steps)]
+                out = _chunk_attention(qc, ks, vs, ctx.mask.chunk_mask(a, b, lo, steps), ctx.scale)
+                grads = torch.autograd.grad(out, [qc, *ks, *vs], grad_out[:, :, a:b])
+            dq[:, :, a:b] = grads[0]
+            for target, parts in ((dk, grads[1 : 1 + steps]), (dv, grads[1 + steps :])):
+                for dst, g in zip(_chunk_keys(target, a, b, lo, n, steps), parts):
+                    dst += g
+        return dq, dk, dv, None, None, None
+
+
+def blockwise_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface (query [B, H, L, D], keys of every TTT step so far): blockwise
+    under a DocumentMask; any other mask (speculators' own forward, e.g. export's gate) goes to sdpa."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if not isinstance(attention_mask, DocumentMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if dropout:
+        raise ValueError("blockwise attention has no dropout (the draft's attention_dropout is 0)")
+    if query.shape[0] != 1 or key.shape[2] % query.shape[2]:
+        raise ValueError(f"blockwise attention takes one packed row, got q {query.shape}, k {key.shape}")
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # as sdpa does under a mask on CPU
+    out = _BlockwiseTTTAttention.apply(query, key, value, attention_mask, scaling, ATTN_CHUNK)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make BLOCKWISE_ATTN a decoder config's attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(BLOCKWISE_ATTN, blockwise_attention)
+
+
+def _chunk_losses(
+    model: Any, loss_config: dict[str, Any], gamma: float, step: int,
+    x: torch.Tensor, verifier_last: torch.Tensor, mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per loss term the chunk's sum of loss * mask * decay, the draft's and the verifier's argmax."""
+    logits = model.lm_head(x)
+    with torch.no_grad():
+        targets = model.verifier_lm_head(model.verifier_norm(verifier_last))
+    sums = []
+    for fn, _ in loss_config.values():
+        elementwise = fn(logits, targets)
+        elementwise = elementwise * mask.to(elementwise.dtype)
+        decay = gamma ** torch.full(mask.shape, step, device=x.device, dtype=torch.long).to(elementwise.dtype)
+        sums.append(torch.sum(elementwise * decay, dim=1))
+    return torch.stack(sums), logits.detach().argmax(-1), targets.argmax(-1)
+
+
+def chunked_step_loss(
+    model: Any,
+    head_in: torch.Tensor,
+    verifier_last: torch.Tensor,
+    loss_mask: torch.Tensor,
+    prev_correct: torch.Tensor,
+    step: int,
+    gamma: float,
+    loss_config: dict[str, Any],
+    chunk: int = LOSS_CHUNK,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """speculators' compute_metrics for TTT step `step` (loss and metrics, prev_correct updated in place)
+    from the head's input [1, L, H] and the verifier's last states, never holding [L, draft vocab]."""
+    from speculators.models.metrics import compute_accuracy_single_step
+
+    n = head_in.shape[1] - step  # align_for_step: logits 0..n-1 against targets step..L-1
+    x, last, mask = head_in[:, :n], verifier_last[:, step:], loss_mask[:, step:]
+    correct = prev_correct[:, :n]
+    run = partial(_chunk_losses, model, loss_config, gamma, step)
+    parts, preds, target_ids = [], [], []
+    for a in range(0, n, chunk):
+        sums, pred, tid = checkpoint(run, x[:, a : a + chunk], last[:, a : a + chunk], mask[:, a : a + chunk],
+                                     use_reentrant=False)  # fmt: skip
+        parts.append(sums)
+        preds.append(pred)
+        target_ids.append(tid)
+    term_sums = torch.stack(parts).sum(0)  # [terms, 1]
+    denominator = mask.to(term_sums.dtype).sum(dim=1) + LOSS_REDUCTION_EPS
+    total = torch.tensor(0.0, device=head_in.device, dtype=torch.float32)
+    metrics: dict[str, torch.Tensor] = {}
+    for i, (name, (_, weight)) in enumerate(loss_config.items()):
+        term = (term_sums[i] / denominator).mean()
+        if len(loss_config) > 1:
+            metrics[f"{name}_loss_{step}_sum"] = term.detach()
+            metrics[f"{name}_loss_{step}_total"] = torch.tensor(1.0, device=head_in.device)
+        total = total + weight * term
+    full, full_total, cond, cond_total = compute_accuracy_single_step(
+        torch.cat(preds, dim=1), torch.cat(target_ids, dim=1), mask, correct
+    )
+    metrics[f"loss_{step}_sum"] = total.detach().clone()
+    metrics[f"loss_{step}_total"] = torch.tensor(1.0, device=total.device)
+    metrics[f"full_acc_{step}_sum"], metrics[f"full_acc_{step}_total"] = full, full_total
+    metrics[f"cond_acc_{step}_sum"], metrics[f"cond_acc_{step}_total"] = cond, cond_total
+    return total, metrics
+
+
+def ttt_forward(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    ttt_steps: int,
+    ttt_step_loss_decay: float,
+    loss_config: dict[str, Any],
+    blockwise: bool,
+    chunked_loss: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Eagle3DraftModel.forward's loss and metrics over a packed batch (pack() keys), its TTT loop
+    unchanged: blockwise attention where `blockwise` (the draft built with BLOCKWISE_ATTN), the chunked
+    head and loss where `chunked_loss`, else speculators' dense mask and compute_metrics."""
+    from speculators.models.eagle3.attention import extend_dense_mask_for_draft_tokens
+    from speculators.models.eagle3.metrics import compute_metrics
+    from transformers import DynamicCache
+
+    if model.uses_sliding_window_attn:
+        raise ValueError("ttt_forward: the draft has sliding-window layers, which it does not mask")
+    if blockwise and model._attn_impl != BLOCKWISE_ATTN:
+        raise ValueError(f"blockwise attention needs a draft built with attn_impl {BLOCKWISE_ATTN!r}")
+    hidden_states, input_ids = batch["hidden_states"], batch["input_ids"]
+    loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
+    verifier_last = batch["verifier_last"]
+    device, total_seq_len = hidden_states.device, hidden_states.shape[1]
+    doc_ids = batch["document_ids"].squeeze(0)
+    if blockwise:
+        mask: Any = DocumentMask.of(doc_ids)
+    else:
+        mask = model._build_attn_mask(doc_ids, total_seq_len, device)
+    if model.input_norm is not None:
+        hidden_states = model.input_norm(hidden_states)
+    if model.fc_norm is not None:
+        chunks = hidden_states.chunk(len(model.fc_norm), dim=-1)
+        hidden_states = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks, strict=True)], dim=-1)
+    hidden_states = model.fc(hidden_states)
+    original_input_ids = input_ids.detach().clone()
+    targets = None
+    if not chunked_loss:
+        with torch.no_grad():
+            targets = model.verifier_lm_head(model.verifier_norm(verifier_last))
+    past_key_values = DynamicCache()
+    loss = torch.tensor(0.0, device=device)
+    prev_correct = loss_mask.clone()
+    metrics: dict[str, torch.Tensor] = {}
+    for step in range(ttt_steps):
+        with torch.no_grad():
+            input_embeds = model.embed_tokens(input_ids)
+        cache_position = torch.arange(step * total_seq_len, (step + 1) * total_seq_len, device=device)
+        hidden_states = torch.cat([input_embeds, hidden_states], dim=-1)
+        position_embeddings = model.rotary_emb(hidden_states, position_ids)
+        for layer in model.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                cache_position=cache_position,
+                position_embeddings=position_embeddings,
+            )
+        if model.config.norm_output:
+            hidden_states = model.norm(hidden_states)
+            head_in = hidden_states
+        else:
+            head_in = model.norm(hidden_states)
+        if chunked_loss:
+            s_loss, s_metrics = chunked_step_loss(
+                model, head_in, verifier_last, loss_mask, prev_correct, step, ttt_step_loss_decay,
+                loss_config, LOSS_CHUNK,
+            )
+        else:
+            s_loss, s_metrics = compute_metrics(
+                model.lm_head(head_in), targets, loss_mask, prev_correct, step, ttt_step_loss_decay,
+                loss_config=loss_config,
+            )  # fmt: skip
+        loss += s_loss
+        metrics.update(s_metrics)
+        input_ids = torch.cat(
+            [original_input_ids[:, 1 + step :], original_input_ids.new_zeros(1, 1 + step)], dim=-1
+        )
+        if not blockwise:
+            mask = extend_dense_mask_for_draft_tokens(mask, total_seq_len)
+        position_ids = position_ids + 1
+    metrics["loss_sum"] = loss.detach().clone()
+    metrics["loss_total"] = torch.tensor(1.0, device=device)
+    return loss, metrics
