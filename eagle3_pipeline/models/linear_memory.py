@@ -214,6 +214,16 @@ def chunked_step_loss(
     return total, metrics
 
 
+def _fc(model: Any, aux: torch.Tensor) -> torch.Tensor:
+    """The aux states through input_norm / fc_norm and fc, as Eagle3DraftModel.forward does first."""
+    if model.input_norm is not None:
+        aux = model.input_norm(aux)
+    if model.fc_norm is not None:
+        chunks = aux.chunk(len(model.fc_norm), dim=-1)
+        aux = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks, strict=True)], dim=-1)
+    return model.fc(aux)
+
+
 def ttt_forward(
     model: Any,
     batch: dict[str, torch.Tensor],
@@ -243,12 +253,7 @@ def ttt_forward(
         mask: Any = DocumentMask.of(doc_ids)
     else:
         mask = model._build_attn_mask(doc_ids, total_seq_len, device)
-    if model.input_norm is not None:
-        hidden_states = model.input_norm(hidden_states)
-    if model.fc_norm is not None:
-        chunks = hidden_states.chunk(len(model.fc_norm), dim=-1)
-        hidden_states = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks, strict=True)], dim=-1)
-    hidden_states = model.fc(hidden_states)
+    hidden_states = _fc(model, hidden_states)
     original_input_ids = input_ids.detach().clone()
     targets = None
     if not chunked_loss:

@@ -72,6 +72,17 @@ class KVCache:
         return KVCache(self.k[:, :n], self.v[:, :n])
 
 
+def cos_sin(
+    positions: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, dim // 2] of each position's angles as vLLM's get_rope computes them, times the
+    scaling's cos/sin factor (yarn's mscale; 1 without a scaling)."""
+    inv_freq = torch.tensor(rope_scaling.inv_freq(dim, theta, scaling), dtype=torch.float64)
+    ang = positions.double()[:, None] * inv_freq[None]
+    factor = rope_scaling.cos_sin_factor(scaling)
+    return (ang.cos() * factor).float(), (ang.sin() * factor).float()
+
+
 class ReferenceDraft:
     """fc -> one EAGLE-3 decoder layer -> norm -> lm_head, on float32 copies of the exported weights."""
 
@@ -125,18 +136,10 @@ class ReferenceDraft:
         self.wv = w[layer + "self_attn.v_proj.weight"][:kv_rows]
         self.wo = w[layer + "self_attn.o_proj.weight"][:, :q_rows]
 
-    def _cos_sin(self, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, dim // 2] of each position's angles, times the scaling's cos/sin factor."""
-        freq = rope_scaling.inv_freq(dim, self.rope_theta, self.rope_scaling)
-        inv_freq = torch.tensor(freq, dtype=torch.float64)
-        ang = positions.double()[:, None] * inv_freq[None]
-        factor = rope_scaling.cos_sin_factor(self.rope_scaling)
-        return (ang.cos() * factor).float(), (ang.sin() * factor).float()
-
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Neox-style rotary embedding on [heads, T, head_dim]."""
         half = self.head_dim // 2
-        cos, sin = self._cos_sin(positions, self.head_dim)
+        cos, sin = cos_sin(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

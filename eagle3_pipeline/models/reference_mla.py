@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline.core import rope_scaling
-from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft, _rms_norm
+from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft, _rms_norm, cos_sin
 
 # vLLM's registry: both names load deepseek_eagle3.Eagle3DeepseekV2ForCausalLM
 MLA_DRAFT_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
@@ -66,7 +66,7 @@ class MlaReferenceDraft(ReferenceDraft):
     ) -> tuple[torch.Tensor, KVCache]:
         T, H = x.shape[0], self.heads
         q = self._queries(x).view(T, H, self.nope + self.rope_dim).transpose(0, 1)
-        cos, sin = self._cos_sin(positions, self.rope_dim)
+        cos, sin = cos_sin(positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         q = torch.cat([q[..., : self.nope], rope_interleaved(q[..., self.nope :], cos, sin)], dim=-1)
         kv_a = x @ self.wkv_a.T
         latent = _rms_norm(kv_a[:, : self.latent], self.n_kv_a, self.eps)

@@ -511,51 +511,10 @@ class TrainLoop:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # global under DDP
         bad_slots = non_finite_slots(flags, self.dist)  # every rank the same: all stop, none waits
         if bad_slots or not math.isfinite(float(grad_norm)):
-            raise self._non_finite(step, ep, in_epoch, bad_slots, float(grad_norm))
+            raise _non_finite(self, step, ep, in_epoch, bad_slots, float(grad_norm))
         self.optimizer.step()
         self.scheduler.step()
         return float(grad_norm), tokens
-
-    def _non_finite(
-        self, step: int, ep: EpochPlan, in_epoch: int, bad_slots: list[int], grad_norm: float
-    ) -> UserError:
-        """Why step `step` (0-based) was not applied: its samples (every rank's; those of the micro-batches
-        whose loss was not finite, if any), which of them hold non-finite states (read again from the
-        shards), the last complete checkpoint, what to do. Stop, not skip: a skipped step would train on
-        without its samples unnoticed, and a rerun meets the same NaN at the same step."""
-        slots = range(self.cfg.grad_accum * self.dist.world)
-        refs = {i: self._slot_refs(ep, in_epoch, i) for i in slots}
-        named = [r for i in (bad_slots or slots) for r in refs[i]]
-        last = checkpoint.latest(checkpoint.root_of(Path(self.cfg.out_dir)))
-        what = f"the loss of {len(bad_slots)} micro-batch(es)" if bad_slots else "finite loss"
-        head = (
-            f"step {step + 1}: NaN or Inf ({what}, gradient norm {grad_norm}): the step was not applied and "
-            f"the run stops (never skipped); its samples{' of that loss' if bad_slots else ''}: "
-            f"{[r.sample_id for r in named]}; the last complete checkpoint is kept: "
-            f"{last if last is not None else 'none yet'}. "
-        )
-        if self.online is not None:  # states asked of the servers: nothing here to read them again
-            return UserError(
-                head + "Look for NaN/Inf in those samples' states from the servers; with finite states "
-                "the run diverged: rerun with a lower --lr or --grad-clip and --overwrite"
-            )
-        bad = [f"{r.sample_id!r} ({n} in {r.shard}/{r.file})" for r in named if (n := _non_finite_states(r))]
-        if bad:
-            return UserError(
-                head + f"NaN/Inf states in sample {', '.join(bad)}: re-extract that shard (stage 01 rejects "
-                "such rows), then rerun stages 02-04 with --overwrite (the samples change)"
-            )
-        return UserError(
-            head + "Their states are finite: the run diverged; rerun with a lower --lr or --grad-clip and "
-            "--overwrite or another --out-dir"
-        )
-
-    def _slot_refs(self, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
-        """The samples a slot (micro x world + rank) of a step of the epoch trained: its micro-batch, or
-        past the epoch's last the padding micro-batch's sample (the run's first)."""
-        micro, rank = divmod(slot, self.dist.world)
-        i = ep.global_index(in_epoch, micro, rank)
-        return ep.batches[i] if i < len(ep.batches) else self.data.train_refs[:1]
 
     def run(self, prog: Progress) -> int:
         cfg, plan = self.cfg, self.plan
@@ -582,11 +541,8 @@ class TrainLoop:
                     if in_epoch == ep.steps:  # every rank at the same step: the sum over ranks, checked
                         count.report(self.dist, self.device)
                     if self._after_step(prog, stop):
-                        log.warning(
-                            "signal %d: checkpoint saved at step %d; rerun the same command to resume",
-                            stop.signum,
-                            prog.step,
-                        )
+                        msg = "signal %d: checkpoint saved at step %d; rerun the same command to resume"
+                        log.warning(msg, stop.signum, prog.step)
                         return EXIT_INTERRUPTED
         except NoServerLeft:  # online states: keep the steps done; the same command resumes from here
             if prog.step:
@@ -610,6 +566,49 @@ class TrainLoop:
         if self.checkpoints.due(prog.step, val is not None, stopping):
             self.checkpoints.save(prog.step, prog.history, val)
         return stopping
+
+
+def _non_finite(
+    loop: TrainLoop, step: int, ep: EpochPlan, in_epoch: int, bad_slots: list[int], grad_norm: float
+) -> UserError:
+    """Why step `step` (0-based) was not applied: its samples (every rank's; those of the micro-batches
+    whose loss was not finite, if any), which of them hold non-finite states (read again from the
+    shards), the last complete checkpoint, what to do. Stop, not skip: a skipped step would train on
+    without its samples unnoticed, and a rerun meets the same NaN at the same step."""
+    slots = range(loop.cfg.grad_accum * loop.dist.world)
+    refs = {i: _slot_refs(loop, ep, in_epoch, i) for i in slots}
+    named = [r for i in (bad_slots or slots) for r in refs[i]]
+    last = checkpoint.latest(checkpoint.root_of(Path(loop.cfg.out_dir)))
+    what = f"the loss of {len(bad_slots)} micro-batch(es)" if bad_slots else "finite loss"
+    head = (
+        f"step {step + 1}: NaN or Inf ({what}, gradient norm {grad_norm}): the step was not applied and "
+        f"the run stops (never skipped); its samples{' of that loss' if bad_slots else ''}: "
+        f"{[r.sample_id for r in named]}; the last complete checkpoint is kept: "
+        f"{last if last is not None else 'none yet'}. "
+    )
+    if loop.online is not None:  # states asked of the servers: nothing here to read them again
+        return UserError(
+            head + "Look for NaN/Inf in those samples' states from the servers; with finite states "
+            "the run diverged: rerun with a lower --lr or --grad-clip and --overwrite"
+        )
+    bad = [f"{r.sample_id!r} ({n} in {r.shard}/{r.file})" for r in named if (n := _non_finite_states(r))]
+    if bad:
+        return UserError(
+            head + f"NaN/Inf states in sample {', '.join(bad)}: re-extract that shard (stage 01 rejects "
+            "such rows), then rerun stages 02-04 with --overwrite (the samples change)"
+        )
+    return UserError(
+        head + "Their states are finite: the run diverged; rerun with a lower --lr or --grad-clip and "
+        "--overwrite or another --out-dir"
+    )
+
+
+def _slot_refs(loop: TrainLoop, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
+    """The samples a slot (micro x world + rank) of a step of the epoch trained: its micro-batch, or
+    past the epoch's last the padding micro-batch's sample (the run's first)."""
+    micro, rank = divmod(slot, loop.dist.world)
+    i = ep.global_index(in_epoch, micro, rank)
+    return ep.batches[i] if i < len(ep.batches) else loop.data.train_refs[:1]
 
 
 def _non_finite_states(ref: SampleRef) -> int:
