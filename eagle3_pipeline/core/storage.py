@@ -368,3 +368,15 @@ def versions() -> dict[str, str]:
 
     out["eagle3_pipeline"] = eagle3_pipeline.__version__
     return out
+
+
+def record_path(target: Path | str, folder: Path) -> str:
+    """How a meta.json in `folder` records a path: relative to `folder`, so a run copied or moved whole
+    (cp -r) reads its own copy's verifier, shards and mapping, never the original's."""
+    return os.path.relpath(os.path.abspath(target), os.path.abspath(folder))
+
+
+def recorded_path(value: str, folder: Path) -> Path:
+    """A path that a meta.json in `folder` recorded (record_path), as a path to open: joined with `folder`;
+    an absolute one (older meta.json files, written before paths were relative) stays as it is."""
+    return Path(os.path.normpath(os.path.join(os.path.abspath(folder), value)))

@@ -39,7 +39,7 @@ from eagle3_pipeline.data.conversations import (
 )
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import accepted_rows
-from eagle3_pipeline.models.verifier import read_text_config
+from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -240,8 +240,9 @@ def run(cfg: RegenerateConfig) -> int:
         )
         cfg = dataclasses.replace(cfg, max_seq_len=int(max_positions))
     settings = {
-        "data_path": str(data_path.resolve()),
-        "verifier_path": str(verifier_path.resolve()),
+        "data_path": storage.record_path(data_path, out_dir),
+        "verifier_path": storage.record_path(verifier_path, out_dir),
+        "verifier_fingerprint": verifier_fingerprint(verifier_path),
         "engine": engine,
         "stop_token_ids": stop_ids,
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",

@@ -75,7 +75,7 @@ def run(cfg: VocabConfig) -> int:
         "coverage": coverage,
         "distinct_loss_tokens": int((counts > 0).sum()),
         "mapping_sha256": digest,
-        **shard_set.made_from(),
+        **shard_set.made_from(out_dir),
         **provenance(cfg),
     }
     storage.publish_dir(tmp, out_dir, meta)

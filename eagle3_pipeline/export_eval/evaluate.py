@@ -33,6 +33,7 @@ from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.samples import first_prompt
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
+    check_verifier,
     find_decoder_layers,
     load_verifier_model,
     load_verifier_tensors,
@@ -91,9 +92,10 @@ def training_template_kwargs(draft_dir: Path) -> dict[str, Any]:
     import json
 
     try:
-        train_dir = Path(storage.read_json(draft_dir / "export_meta.json")["train_dir"])
+        recorded = storage.read_json(draft_dir / "export_meta.json")["train_dir"]
+        train_dir = storage.recorded_path(recorded, draft_dir)
         shards = storage.read_json(train_dir / storage.META_NAME)["shards"]
-        metas = [storage.read_json(Path(s) / storage.META_NAME) for s in shards]
+        metas = [storage.read_json(storage.recorded_path(s, train_dir) / storage.META_NAME) for s in shards]
     except (UserError, KeyError, TypeError) as e:
         raise UserError(
             f"{draft_dir}: cannot find the chat_template_kwargs training used ({type(e).__name__}: {e}); "
@@ -249,7 +251,12 @@ def run(cfg: EvaluateConfig) -> int:
     export_meta = draft_dir / "export_meta.json"
     recorded = storage.read_json(export_meta) if export_meta.exists() else {}
     cfg = served_as_exported(cfg, recorded.get("served") or {}, export_meta)
-    verifier_path = Path(cfg.verifier_path or storage.read_json(export_meta)["verifier_path"])
+    verifier_path = Path(cfg.verifier_path) if cfg.verifier_path else storage.recorded_path(
+        storage.read_json(export_meta)["verifier_path"], draft_dir
+    )
+    if recorded:  # the draft was trained on this verifier's states: another one measures nothing
+        where = f"{export_meta} (the verifier the draft was trained for)"
+        check_verifier(verifier_path, recorded.get("verifier_fingerprint"), where)
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     template_kwargs = cfg.chat_template_kwargs
     if template_kwargs is None:
