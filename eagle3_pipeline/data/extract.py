@@ -204,8 +204,7 @@ def _check_resumed_verifier(shard: Path, verifier: Path, fingerprint: str | None
     recorded = storage.read_json(run_file).get("verifier", {})
     if recorded.get("fingerprint") != fingerprint:
         made_by = storage.recorded_path(recorded.get("path", "?"), shard)
-        where = f"{run_file} (the verifier of the unfinished shard's parts: {made_by})"
-        check_verifier(verifier, recorded.get("fingerprint"), where)
+        check_verifier(verifier, recorded.get("fingerprint"), run_file, made_by)
 
 
 def _check_free_space(

@@ -80,10 +80,6 @@ class ShardSet:
         """The verifier the shards were extracted with (its recorded path, read back by _check_shard)."""
         return Path(self.meta["verifier"]["path"])
 
-    def verifier_source(self) -> str:
-        """Where the shards' verifier fingerprint is recorded, for messages."""
-        return f"{self.shards[0] / storage.META_NAME}"
-
 
 def check_built_from(folder: Path, shard_set: ShardSet, flag: str) -> None:
     """An output of stage 02 or 03 (`folder`, given by `flag`) must have been built from the shards given

@@ -240,6 +240,18 @@ def served_as_exported(cfg: EvaluateConfig, served: dict[str, Any], export_meta:
     return dataclasses.replace(cfg, **filled)
 
 
+def _verifier_of(cfg: EvaluateConfig, draft_dir: Path, recorded: dict[str, Any]) -> Path:
+    """--verifier-path, else the one export_meta.json (`recorded`) names; refused when it is not the verifier
+    the draft was trained for (by fingerprint): with another one its acceptance measures nothing."""
+    if cfg.verifier_path and not recorded:  # an export folder without export_meta.json: nothing to compare
+        return Path(cfg.verifier_path)
+    export_meta = draft_dir / "export_meta.json"
+    exported_for = storage.recorded_path(storage.read_json(export_meta)["verifier_path"], draft_dir)
+    verifier_path = Path(cfg.verifier_path) if cfg.verifier_path else exported_for
+    check_verifier(verifier_path, recorded.get("verifier_fingerprint"), export_meta, exported_for)
+    return verifier_path
+
+
 def run(cfg: EvaluateConfig) -> int:
     from transformers import AutoTokenizer
 
@@ -251,12 +263,7 @@ def run(cfg: EvaluateConfig) -> int:
     export_meta = draft_dir / "export_meta.json"
     recorded = storage.read_json(export_meta) if export_meta.exists() else {}
     cfg = served_as_exported(cfg, recorded.get("served") or {}, export_meta)
-    verifier_path = Path(cfg.verifier_path) if cfg.verifier_path else storage.recorded_path(
-        storage.read_json(export_meta)["verifier_path"], draft_dir
-    )
-    if recorded:  # the draft was trained on this verifier's states: another one measures nothing
-        where = f"{export_meta} (the verifier the draft was trained for)"
-        check_verifier(verifier_path, recorded.get("verifier_fingerprint"), where)
+    verifier_path = _verifier_of(cfg, draft_dir, recorded)
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     template_kwargs = cfg.chat_template_kwargs
     if template_kwargs is None:

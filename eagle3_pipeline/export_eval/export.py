@@ -400,9 +400,9 @@ def read_train_meta(train_dir: Path) -> dict[str, Any]:
     for key in ("verifier_path", "vocab_mapping_dir"):
         meta[key] = str(storage.recorded_path(meta[key], train_dir))
     meta["shards"] = [str(storage.recorded_path(s, train_dir)) for s in meta["shards"]]
-    recorded = meta.get("source", {}).get("verifier", {}).get("fingerprint")
-    where = f"{meta_path} (the verifier of the shards it trained on)"
-    meta["verifier_fingerprint"] = check_verifier(Path(meta["verifier_path"]), recorded, where)
+    recorded = meta.get("source", {}).get("verifier", {}).get("fingerprint")  # of the shards it trained on
+    verifier = Path(meta["verifier_path"])
+    meta["verifier_fingerprint"] = check_verifier(verifier, recorded, meta_path, verifier)
     return meta
 
 

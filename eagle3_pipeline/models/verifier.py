@@ -106,18 +106,19 @@ def _digest_weight_file(h: Any, f: Path) -> None:
             h.update(fh.read(block))
 
 
-def check_verifier(path: Path, recorded: str | None, where: str) -> str:
+def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path: Path) -> str:
     """The fingerprint of the verifier at `path`, refused (UserError naming both) when it differs from the
-    one `where` recorded; an older record without one is named in a warning (nothing to compare)."""
+    one that `where` records of `recorded_path`; an older record without one is named in a warning."""
     got = verifier_fingerprint(path)
     if recorded is None:
         log.warning("%s records no verifier fingerprint (made by an older version): %s is not checked "
                     "against the verifier that made it", where, path)  # fmt: skip
     elif got != recorded:
         raise UserError(
-            f"verifier {path} (fingerprint {got[:16]}) is not the one {where} records (fingerprint "
-            f"{recorded[:16]}): its states, mapping and draft belong to that verifier. Pass that verifier "
-            "(--verifier-path), or redo the stages from 01_extract_hidden_states.py with this one"
+            f"verifier {path} (fingerprint {got[:16]}) is not the verifier {where} records: {recorded_path} "
+            f"(fingerprint {recorded[:16]}, as it was then), whose states, mapping and draft these are. "
+            "Pass that verifier (--verifier-path), or redo the stages from 01_extract_hidden_states.py "
+            "with this one"
         )
     return got
 

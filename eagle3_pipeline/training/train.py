@@ -296,8 +296,9 @@ def run(cfg: TrainConfig) -> int:
     data = open_data(cfg)
     spec = draft_spec(cfg, data)
     verifier_path = Path(cfg.verifier_path or data.shard_set.verifier_path())
-    check_verifier(verifier_path, data.shard_set.meta["verifier"].get("fingerprint"),
-                   data.shard_set.verifier_source())  # fmt: skip
+    shard_set = data.shard_set
+    check_verifier(verifier_path, shard_set.meta["verifier"].get("fingerprint"),
+                   shard_set.shards[0] / storage.META_NAME, shard_set.verifier_path())  # fmt: skip
     plan = plan_run(cfg, data, dist)
     kern = resolve_kernels(cfg, device)
     run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
