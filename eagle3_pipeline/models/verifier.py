@@ -74,17 +74,23 @@ def verifier_facts(path: Path) -> VerifierFacts:
 FINGERPRINT_BLOCKS = 8
 FINGERPRINT_BLOCK_BYTES = 1 << 18
 FINGERPRINT_VERSION = "sampled-sha256/1"  # part of the digest: another way of sampling never matches
+# config.json keys that change no hidden state (generation ids, bookkeeping): a verifier copied with another
+# eos_token_id is the same verifier
+FINGERPRINT_IGNORED = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
+                                 "use_cache", "_name_or_path", "torch_dtype", "dtype"})  # fmt: skip
 
 
 def verifier_fingerprint(path: Path) -> str:
     """The verifier's identity, recorded by stages 00 and 01 and checked by every stage given a verifier:
-    a sha256 over its text config (config.json; Kimi-K2.5's `text_config`) and, for every *.safetensors
-    file, its name, size, header (tensor names, dtypes, shapes, offsets) and a fixed sample of its data.
+    a sha256 over its text config (config.json; Kimi-K2.5's `text_config`; less FINGERPRINT_IGNORED) and,
+    for every *.safetensors file, its name, size, header (tensor names, dtypes, shapes, offsets) and a fixed
+    sample of its data.
     Bounded cost, not a full hash: two checkpoints that differ only in bytes outside the sampled blocks get
     the same fingerprint. Other weights of the same config (trained, re-initialised, fine-tuned) differ in
     every block, so they never do; nothing is cached (a folder's weights can be replaced in place)."""
     h = hashlib.sha256(FINGERPRINT_VERSION.encode() + b"\0")
-    h.update(json.dumps(read_text_config(path), sort_keys=True).encode() + b"\0")
+    text = {k: v for k, v in read_text_config(path).items() if k not in FINGERPRINT_IGNORED}
+    h.update(json.dumps(text, sort_keys=True).encode() + b"\0")
     for f in sorted(path.glob("*.safetensors")):
         _digest_weight_file(h, f)
     return h.hexdigest()
@@ -109,6 +115,12 @@ def _digest_weight_file(h: Any, f: Path) -> None:
 def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path: Path) -> str:
     """The fingerprint of the verifier at `path`, refused (UserError naming both) when it differs from the
     one that `where` records of `recorded_path`; an older record without one is named in a warning."""
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"verifier {path}: no config.json there ({where} records {recorded_path}; paths are recorded "
+            "relative to the folder of the file recording them, so a folder copied away from its run loses "
+            "them): pass the verifier with --verifier-path"
+        )
     got = verifier_fingerprint(path)
     if recorded is None:
         log.warning("%s records no verifier fingerprint (made by an older version): %s is not checked "
