@@ -84,10 +84,9 @@ def verifier_fingerprint(path: Path) -> str:
     """The verifier's identity, recorded by stages 00 and 01 and checked by every stage given a verifier:
     a sha256 over its text config (config.json; Kimi-K2.5's `text_config`; less FINGERPRINT_IGNORED) and,
     for every *.safetensors file, its name, size, header (tensor names, dtypes, shapes, offsets) and a fixed
-    sample of its data.
-    Bounded cost, not a full hash: two checkpoints that differ only in bytes outside the sampled blocks get
-    the same fingerprint. Other weights of the same config (trained, re-initialised, fine-tuned) differ in
-    every block, so they never do; nothing is cached (a folder's weights can be replaced in place)."""
+    sample of its data. Bounded cost, not a full hash: two checkpoints that differ only in bytes outside the
+    sampled blocks get the same fingerprint. Other weights of the same config (trained, re-initialised,
+    fine-tuned) differ in every block, so they never do; nothing is cached (weights replaced in place)."""
     h = hashlib.sha256(FINGERPRINT_VERSION.encode() + b"\0")
     text = {k: v for k, v in read_text_config(path).items() if k not in FINGERPRINT_IGNORED}
     h.update(json.dumps(text, sort_keys=True).encode() + b"\0")
