@@ -92,10 +92,11 @@ def training_template_kwargs(draft_dir: Path) -> dict[str, Any]:
     import json
 
     try:
-        recorded = storage.read_json(draft_dir / "export_meta.json")["train_dir"]
-        train_dir = storage.recorded_path(recorded, draft_dir)
-        shards = storage.read_json(train_dir / storage.META_NAME)["shards"]
-        metas = [storage.read_json(storage.recorded_path(s, train_dir) / storage.META_NAME) for s in shards]
+        emeta = storage.read_json(draft_dir / "export_meta.json")
+        train_dir = storage.recorded_path(emeta["train_dir"], draft_dir, emeta.get(storage.WRITTEN_IN))
+        tmeta = storage.read_json(train_dir / storage.META_NAME)
+        shards = [storage.recorded_path(s, train_dir, tmeta.get(storage.WRITTEN_IN)) for s in tmeta["shards"]]
+        metas = [storage.read_json(s / storage.META_NAME) for s in shards]
     except (UserError, KeyError, TypeError) as e:
         raise UserError(
             f"{draft_dir}: cannot find the chat_template_kwargs training used ({type(e).__name__}: {e}); "
@@ -246,7 +247,8 @@ def _verifier_of(cfg: EvaluateConfig, draft_dir: Path, recorded: dict[str, Any])
     if cfg.verifier_path and not recorded:  # an export folder without export_meta.json: nothing to compare
         return Path(cfg.verifier_path)
     export_meta = draft_dir / "export_meta.json"
-    exported_for = storage.recorded_path(storage.read_json(export_meta)["verifier_path"], draft_dir)
+    emeta = storage.read_json(export_meta)
+    exported_for = storage.recorded_path(emeta["verifier_path"], draft_dir, emeta.get(storage.WRITTEN_IN))
     verifier_path = Path(cfg.verifier_path) if cfg.verifier_path else exported_for
     check_verifier(verifier_path, recorded.get("verifier_fingerprint"), export_meta, exported_for)
     return verifier_path

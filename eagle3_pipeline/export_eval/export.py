@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -397,9 +398,10 @@ def read_train_meta(train_dir: Path) -> dict[str, Any]:
     recorded (meta["verifier_fingerprint"]: what the export records for 06_evaluate.py)."""
     meta_path = train_dir / storage.META_NAME
     meta = storage.read_json(meta_path)
+    written_in = meta.get(storage.WRITTEN_IN)
     for key in ("verifier_path", "vocab_mapping_dir"):
-        meta[key] = str(storage.recorded_path(meta[key], train_dir))
-    meta["shards"] = [str(storage.recorded_path(s, train_dir)) for s in meta["shards"]]
+        meta[key] = str(storage.recorded_path(meta[key], train_dir, written_in))
+    meta["shards"] = [str(storage.recorded_path(s, train_dir, written_in)) for s in meta["shards"]]
     recorded = meta.get("source", {}).get("verifier", {}).get("fingerprint")  # of the shards it trained on
     verifier = Path(meta["verifier_path"])
     meta["verifier_fingerprint"] = check_verifier(verifier, recorded, meta_path, verifier)
@@ -554,6 +556,7 @@ def _build(
             "draft": meta["draft"],
             "verifier_path": storage.record_path(meta["verifier_path"], Path(cfg.out_dir)),
             "verifier_fingerprint": meta["verifier_fingerprint"],
+            storage.WRITTEN_IN: os.path.abspath(cfg.out_dir),
             "vocab_mapping_sha256": meta["vocab_mapping_sha256"],
             "readback": stats,
             "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
@@ -571,6 +574,6 @@ def _build(
 def check(export_dir: Path, samples_n: int = 4) -> dict[str, Any]:
     """The gate on an existing export folder (expectations from its export_meta.json)."""
     emeta = storage.read_json(export_dir / EXPORT_META)
-    train_dir = storage.recorded_path(emeta["train_dir"], export_dir)
+    train_dir = storage.recorded_path(emeta["train_dir"], export_dir, emeta.get(storage.WRITTEN_IN))
     _, meta, model, vt, d2t, _ = load_trained(train_dir, emeta["checkpoint"])
     return gate(export_dir, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, samples_n))

@@ -111,9 +111,13 @@ def _digest_weight_file(h: Any, f: Path) -> None:
             h.update(fh.read(block))
 
 
-def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path: Path) -> str:
+def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path: Path) -> str | None:
     """The fingerprint of the verifier at `path`, refused (UserError naming both) when it differs from the
     one that `where` records of `recorded_path`; an older record without one is named in a warning."""
+    if recorded is None:
+        log.warning("%s records no verifier fingerprint (made by an older version): %s is not checked "
+                    "against the verifier that made it", where, path)  # fmt: skip
+        return None
     if not (path / "config.json").is_file():
         raise UserError(
             f"verifier {path}: no config.json there ({where} records {recorded_path}; paths are recorded "
@@ -121,10 +125,7 @@ def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path:
             "them): pass the verifier with --verifier-path"
         )
     got = verifier_fingerprint(path)
-    if recorded is None:
-        log.warning("%s records no verifier fingerprint (made by an older version): %s is not checked "
-                    "against the verifier that made it", where, path)  # fmt: skip
-    elif got != recorded:
+    if got != recorded:
         raise UserError(
             f"verifier {path} (fingerprint {got[:16]}) is not the verifier {where} records: {recorded_path} "
             f"(fingerprint {recorded[:16]}, as it was then), whose states, mapping and draft these are. "

@@ -379,6 +379,7 @@ def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: P
         **data.shard_set.made_from(Path(cfg.out_dir)),
         "verifier_path": storage.record_path(verifier_path, Path(cfg.out_dir)),
         "vocab_mapping_dir": storage.record_path(cfg.vocab_mapping_dir, Path(cfg.out_dir)),
+        storage.WRITTEN_IN: os.path.abspath(cfg.out_dir),
         "vocab_mapping_sha256": data.vocab_meta["mapping_sha256"],
         "num_train": len(data.train_refs),
         "num_val": len(data.val_refs),
