@@ -84,7 +84,9 @@ def test_a_refused_run_leaves_the_finished_run_byte_identical_and_creates_no_fol
     assert sorted(p.name for p in finished.parent.iterdir()) == ["run"]  # nothing set aside is left
 
 
-def test_overwrite_failing_before_its_first_checkpoint_puts_the_old_run_back(finished, tiny_shards, tmp_path):
+def test_overwrite_failing_before_its_first_checkpoint_puts_the_old_run_back(
+    finished, tiny_shards, tiny_verifier, tmp_path
+):
     """The new run opens its folder, then stops at the first batch that reads a corrupt sample: the old
     run is back, byte for byte, and nothing set aside is left."""
     run = tmp_path / "run"
@@ -94,7 +96,8 @@ def test_overwrite_failing_before_its_first_checkpoint_puts_the_old_run_back(fin
     shutil.copytree(tiny_shards["float32"], shard)
     for part in shard.glob("part-*.safetensors"):
         _flip_byte_in(part, "aux_hidden_states")
-    args = _train_args(tiny_shards, run, "--overwrite")
+    # (the copied shard's path to its verifier is relative to where it was extracted)
+    args = _train_args(tiny_shards, run, "--overwrite", "--verifier-path", str(tiny_verifier))
     args[args.index("--data-dir") + 1] = str(shard)
     proc = run_script(*args, check=False)
     assert proc.returncode == 2 and "sha256 of sample" in proc.stderr, proc.stderr[-3000:]

@@ -93,6 +93,7 @@ def test_corrupt_byte_in_shard_is_refused_when_read_naming_the_file(tiny_run, tm
     train = [
         script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--data-dir", str(shard),
         "--out-dir", str(tmp_path / "t"), "--epochs", "1", "--num-workers", "1",
+        "--verifier-path", str(tiny_run / "verifier"),  # (the shard's own path to it is relative to its run)
     ]  # fmt: skip
     proc = run_script(*train, check=False)
     assert proc.returncode == 2, proc.stderr[-1500:]

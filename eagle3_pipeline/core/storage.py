@@ -493,3 +493,25 @@ def versions() -> dict[str, str]:
 
     out["eagle3_pipeline"] = eagle3_pipeline.__version__
     return out
+
+
+def record_path(target: Path | str, folder: Path) -> str:
+    """How a meta.json in `folder` records a path: relative to `folder`, so a run copied or moved whole
+    (cp -r) reads its own copy's verifier, shards and mapping, never the original's."""
+    return os.path.relpath(os.path.abspath(target), os.path.abspath(folder))
+
+
+def recorded_path(value: str, folder: Path, written_in: str | None = None) -> Path:
+    """A path that a meta.json in `folder` recorded (record_path), as a path to open: joined with `folder`;
+    an absolute one (older meta.json files, written before paths were relative) stays as it is. Where the
+    file also records the folder it was `written_in` (WRITTEN_IN) and the path is not there beside it (the
+    folder was copied alone: an export to a serving host), it is joined with that folder instead."""
+    here = os.path.normpath(os.path.join(os.path.abspath(folder), value))
+    if written_in and not os.path.exists(here):
+        there = os.path.normpath(os.path.join(written_in, value))
+        if os.path.exists(there):
+            return Path(there)
+    return Path(here)
+
+
+WRITTEN_IN = "written_in"  # the folder a training run's or an export's meta was written in (recorded_path)

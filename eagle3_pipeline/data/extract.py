@@ -35,10 +35,12 @@ from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
     check_aux_layer_ids,
+    check_verifier,
     default_aux_layer_ids,
     find_decoder_layers,
     load_verifier_model,
     verifier_facts,
+    verifier_fingerprint,
 )
 
 log = logging.getLogger("eagle3.extract")
@@ -68,6 +70,8 @@ def run(cfg: ExtractConfig) -> int:
         from eagle3_pipeline.vllm_side.extract_vllm import serve
 
         return serve(cfg, aux_ids, facts.num_hidden_layers, state_dtype.resolve_dtype(cfg.dtype))
+    # every shard records it; a resume of an unfinished shard compares it (_check_resumed_verifier)
+    facts = dataclasses.replace(facts, fingerprint=verifier_fingerprint(verifier_path))
     step = cfg.shard_rows or end - start
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
@@ -153,11 +157,11 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
     shard = Path(cfg.out_dir) / shard_name(start, end)
     settings = {
         "format": shards.SHARD_FORMAT,
-        "verifier": asdict(facts),
+        "verifier": {**asdict(facts), "path": storage.record_path(facts.path, shard)},
         "aux_layer_ids": aux_ids,
         "dtype": str(dtype).removeprefix("torch."),
         "storage_dtype": storage_dtype,
-        "data_path": str(data_path.resolve()),
+        "data_path": storage.record_path(data_path, shard),
         "data_split": cfg.data_split,
         "row_range": [start, end],
         "max_seq_len": cfg.max_seq_len,
@@ -186,6 +190,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         storage.log_skip(shard)
         return
     if not cfg.overwrite:  # a resume with other settings is refused before the verifier loads
+        _check_resumed_verifier(shard, Path(cfg.verifier_path), facts.fingerprint)
         storage.check_run_settings(shard / parts.RUN_FILE, settings)
     blocks = parts.blocks(start, end, cfg.samples_per_file)
     todo = list(enumerate(blocks)) if cfg.overwrite else parts.todo(shard, blocks, shards.part_info_name)
@@ -205,6 +210,18 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         if todo:
             _extract_parts(shard, todo, storage_dtype, loaded["renderer"], loaded["engine"])
         shards.finish_shard(shard, len(blocks), settings, provenance(cfg))
+
+
+def _check_resumed_verifier(shard: Path, verifier: Path, fingerprint: str | None) -> None:
+    """The parts an unfinished shard holds came from the verifier its run.json records: another one (by
+    fingerprint, wherever it lies) is refused naming both, before anything is loaded or written."""
+    run_file = shard / parts.RUN_FILE
+    if not run_file.exists():
+        return
+    recorded = storage.read_json(run_file).get("verifier", {})
+    if recorded.get("fingerprint") != fingerprint:
+        made_by = storage.recorded_path(recorded.get("path", "?"), shard)
+        check_verifier(verifier, recorded.get("fingerprint"), run_file, made_by)
 
 
 def _check_free_space(

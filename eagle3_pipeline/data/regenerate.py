@@ -40,7 +40,7 @@ from eagle3_pipeline.data.conversations import (
 )
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import accepted_rows
-from eagle3_pipeline.models.verifier import read_text_config
+from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -271,8 +271,9 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         )
         cfg = dataclasses.replace(cfg, max_seq_len=int(max_positions))
     settings = {
-        "data_path": str(data_path.resolve()),
-        "verifier_path": str(verifier_path.resolve()),
+        "data_path": storage.record_path(data_path, out_dir),
+        "verifier_path": storage.record_path(verifier_path, out_dir),
+        "verifier_fingerprint": verifier_fingerprint(verifier_path),
         "engine": engine,
         "stop_token_ids": stop_ids,
         **engine_settings(engine, cfg.vllm_python),

@@ -18,7 +18,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +59,47 @@ class ShardSet:
     meta: dict[str, Any]  # the first shard's meta (all agree on CONTRACT_KEYS and the verifier)
     samples: list[SampleRef]
 
-    def made_from(self) -> dict[str, Any]:
-        """What a stage built from these shards records of them (stages 02, 03): the folders and the
-        contract the next stage checks."""
-        return {"shards": [str(s.resolve()) for s in self.shards], "source": self.contract()}
+    manifests: list[str] = field(default_factory=list)  # each shard's manifest_sha256: their content
+
+    def made_from(self, folder: Path) -> dict[str, Any]:
+        """What an output in `folder` built from these shards records of them (stages 02, 03, 04): the
+        folders (relative to `folder`), their content (`shard_manifests`, what check_built_from and a
+        resume compare: a byte-identical copy is the same shards) and the contract the next stage checks."""
+        return {
+            "shards": [storage.record_path(s, folder) for s in self.shards],
+            "shard_manifests": self.manifests,
+            "source": self.contract(),
+        }
 
     def contract(self) -> dict[str, Any]:
         """What the next stage records and later checks: verifier identity + layout of the states."""
         return {
-            "verifier": {k: self.meta["verifier"][k] for k in ("path", *VERIFIER_KEYS)},
+            "verifier": {k: self.meta["verifier"].get(k) for k in (*VERIFIER_KEYS, "fingerprint")},
             **{k: self.meta[k] for k in CONTRACT_KEYS},
         }
+
+    def verifier_path(self) -> Path:
+        """The verifier the shards were extracted with (its recorded path, read back by _check_shard)."""
+        return Path(self.meta["verifier"]["path"])
+
+
+def check_built_from(folder: Path, shard_set: ShardSet, flag: str) -> None:
+    """An output of stage 02 or 03 (`folder`, given by `flag`) must have been built from the shards given
+    now, compared by content (manifest sha256s, in any order), not by path; refused naming both."""
+    meta = storage.read_json(folder / storage.META_NAME)
+    recorded = meta.get("shard_manifests")
+    if recorded is None:
+        log.warning("%s records no shard checksums (made by an older version): not checked against "
+                    "--data-dir", folder / storage.META_NAME)  # fmt: skip
+        return
+    if sorted(recorded) != sorted(shard_set.manifests):
+        built = [str(storage.recorded_path(s, folder)) for s in meta.get("shards", [])]
+        raise UserError(
+            f"{flag} {folder} was built from other shards ({', '.join(built)}: manifest sha256 "
+            f"{', '.join(m[:12] for m in recorded)}) than --data-dir "
+            f"({', '.join(map(str, shard_set.shards))}: {', '.join(m[:12] for m in shard_set.manifests)}); "
+            f"rebuild it from these shards with --overwrite, or pass the shards it was built from"
+        )
 
 
 def find_shard_dirs(data_dirs: list[str]) -> list[Path]:
@@ -114,7 +144,7 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
                 samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"], smp["sha256"]))
     if not samples:
         raise UserError(f"{', '.join(map(str, shards))}: no samples (every row was rejected?)")
-    return ShardSet(shards, first, samples)
+    return ShardSet(shards, first, samples, [m["manifest_sha256"] for m in metas])
 
 
 @contextlib.contextmanager
@@ -153,6 +183,8 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
             "the shard with this version of 01_extract_hidden_states.py)"
         )
     _check_run_settings(shard, meta)
+    # recorded relative to the shard (storage.record_path): read back as a path to open, here only
+    meta["verifier"]["path"] = str(storage.recorded_path(meta["verifier"]["path"], shard))
     manifest_path = shard / MANIFEST_FILE
     if not manifest_path.is_file():
         raise UserError(f"{manifest_path}: missing; the shard is corrupt, re-extract it with --overwrite")

@@ -61,7 +61,7 @@ def run(cfg: SplitConfig) -> int:
             "train_tokens": sum(s.num_tokens for s in train),
             "val_tokens": sum(s.num_tokens for s in val),
             "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
-            **shard_set.made_from(),
+            **shard_set.made_from(out_dir),
             **provenance(cfg),
         }
         storage.publish_dir(tmp, out_dir, meta)

@@ -70,7 +70,7 @@ def run(cfg: VocabConfig) -> int:
             {"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE
         )
         meta = {
-            "stage": "02_build_vocab_mapping",
+            "stage": STAGE,
             "draft_vocab_size": cfg.draft_vocab_size,
             "vocab_size": vocab_size,
             "loss_tokens": total,
@@ -78,7 +78,7 @@ def run(cfg: VocabConfig) -> int:
             "coverage": coverage,
             "distinct_loss_tokens": int((counts > 0).sum()),
             "mapping_sha256": digest,
-            **shard_set.made_from(),
+            **shard_set.made_from(out_dir),
             **provenance(cfg),
         }
         storage.publish_dir(tmp, out_dir, meta)

@@ -33,6 +33,7 @@ from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.samples import first_prompt
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
+    check_verifier,
     find_decoder_layers,
     load_verifier_model,
     load_verifier_tensors,
@@ -91,9 +92,11 @@ def training_template_kwargs(draft_dir: Path) -> dict[str, Any]:
     import json
 
     try:
-        train_dir = Path(storage.read_json(draft_dir / "export_meta.json")["train_dir"])
-        shards = storage.read_json(train_dir / storage.META_NAME)["shards"]
-        metas = [storage.read_json(Path(s) / storage.META_NAME) for s in shards]
+        emeta = storage.read_json(draft_dir / "export_meta.json")
+        train_dir = storage.recorded_path(emeta["train_dir"], draft_dir, emeta.get(storage.WRITTEN_IN))
+        tmeta = storage.read_json(train_dir / storage.META_NAME)
+        shards = [storage.recorded_path(s, train_dir, tmeta.get(storage.WRITTEN_IN)) for s in tmeta["shards"]]
+        metas = [storage.read_json(s / storage.META_NAME) for s in shards]
     except (UserError, KeyError, TypeError) as e:
         raise UserError(
             f"{draft_dir}: cannot find the chat_template_kwargs training used ({type(e).__name__}: {e}); "
@@ -238,6 +241,19 @@ def served_as_exported(cfg: EvaluateConfig, served: dict[str, Any], export_meta:
     return dataclasses.replace(cfg, **filled)
 
 
+def _verifier_of(cfg: EvaluateConfig, draft_dir: Path, recorded: dict[str, Any]) -> Path:
+    """--verifier-path, else the one export_meta.json (`recorded`) names; refused when it is not the verifier
+    the draft was trained for (by fingerprint): with another one its acceptance measures nothing."""
+    if cfg.verifier_path and not recorded:  # an export folder without export_meta.json: nothing to compare
+        return Path(cfg.verifier_path)
+    export_meta = draft_dir / "export_meta.json"
+    emeta = storage.read_json(export_meta)
+    exported_for = storage.recorded_path(emeta["verifier_path"], draft_dir, emeta.get(storage.WRITTEN_IN))
+    verifier_path = Path(cfg.verifier_path) if cfg.verifier_path else exported_for
+    check_verifier(verifier_path, recorded.get("verifier_fingerprint"), export_meta, exported_for)
+    return verifier_path
+
+
 def run(cfg: EvaluateConfig) -> int:
     draft_dir = Path(cfg.draft_dir)
     if not (draft_dir / "config.json").is_file():
@@ -255,7 +271,7 @@ def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
     export_meta = draft_dir / "export_meta.json"
     recorded = storage.read_json(export_meta) if export_meta.exists() else {}
     cfg = served_as_exported(cfg, recorded.get("served") or {}, export_meta)
-    verifier_path = Path(cfg.verifier_path or storage.read_json(export_meta)["verifier_path"])
+    verifier_path = _verifier_of(cfg, draft_dir, recorded)
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     template_kwargs = cfg.chat_template_kwargs
     if template_kwargs is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
 from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.shards import load_sample, open_shards
-from eagle3_pipeline.models.verifier import draft_tensors_of
+from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
 from eagle3_pipeline.export_eval.export_rope import (
     check_checkpoint_rope,
@@ -391,7 +392,7 @@ def load_trained(
 
     `which` = "init" gives the draft as training initialised it (same seed): the untrained baseline.
     """
-    meta = storage.read_json(train_dir / storage.META_NAME)
+    meta = read_train_meta(train_dir)
     ckpt = None if which == "init" else checkpoint.resolve(checkpoint.root_of(train_dir), which)
     spec = DraftSpec.from_json(meta["draft"])
     torch.manual_seed(meta["config"]["seed"])
@@ -411,6 +412,22 @@ def load_trained(
     model.eval()
     kernel_policy.set_eager(model)
     return ckpt, meta, model, vt, d2t, t2d
+
+
+def read_train_meta(train_dir: Path) -> dict[str, Any]:
+    """A training run's meta.json with its recorded paths read back (relative to the run folder, so a
+    copied run reads its own copy's), and its verifier's fingerprint checked against the one its shards
+    recorded (meta["verifier_fingerprint"]: what the export records for 06_evaluate.py)."""
+    meta_path = train_dir / storage.META_NAME
+    meta = storage.read_json(meta_path)
+    written_in = meta.get(storage.WRITTEN_IN)
+    for key in ("verifier_path", "vocab_mapping_dir"):
+        meta[key] = str(storage.recorded_path(meta[key], train_dir, written_in))
+    meta["shards"] = [str(storage.recorded_path(s, train_dir, written_in)) for s in meta["shards"]]
+    recorded = meta.get("source", {}).get("verifier", {}).get("fingerprint")  # of the shards it trained on
+    verifier = Path(meta["verifier_path"])
+    meta["verifier_fingerprint"] = check_verifier(verifier, recorded, meta_path, verifier)
+    return meta
 
 
 def gate(
@@ -439,6 +456,11 @@ def gate(
 
 def gate_samples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
     shard_set = open_shards(meta["shards"], verify=False)
+    if meta.get("shard_manifests") not in (None, shard_set.manifests):
+        raise UserError(
+            f"{', '.join(meta['shards'])}: not the shards the run trained on (their manifest sha256s differ "
+            "from the training run's meta.json); the gate needs those, restore them or retrain"
+        )
     return [load_sample(r) for r in shard_set.samples[:n]]
 
 
@@ -554,12 +576,14 @@ def _build(
         tmp / EXPORT_META,
         {
             "stage": "05_export",
-            "train_dir": str(Path(cfg.train_dir).resolve()),
+            "train_dir": storage.record_path(cfg.train_dir, Path(cfg.out_dir)),
             "checkpoint": ckpt_name,
             "step": info["step"],
             "val": info.get("val"),
             "draft": meta["draft"],
-            "verifier_path": meta["verifier_path"],
+            "verifier_path": storage.record_path(meta["verifier_path"], Path(cfg.out_dir)),
+            "verifier_fingerprint": meta["verifier_fingerprint"],
+            storage.WRITTEN_IN: os.path.abspath(cfg.out_dir),
             "vocab_mapping_sha256": meta["vocab_mapping_sha256"],
             "readback": stats,
             "weights_sha256": storage.sha256_file(tmp / WEIGHTS_FILE),
@@ -577,5 +601,6 @@ def _build(
 def check(export_dir: Path, samples_n: int = 4) -> dict[str, Any]:
     """The gate on an existing export folder (expectations from its export_meta.json)."""
     emeta = storage.read_json(export_dir / EXPORT_META)
-    _, meta, model, vt, d2t, _ = load_trained(Path(emeta["train_dir"]), emeta["checkpoint"])
+    train_dir = storage.recorded_path(emeta["train_dir"], export_dir, emeta.get(storage.WRITTEN_IN))
+    _, meta, model, vt, d2t, _ = load_trained(train_dir, emeta["checkpoint"])
     return gate(export_dir, model, meta, vt["embed_tokens"], d2t, gate_samples(meta, samples_n))

@@ -8,7 +8,9 @@ forward hook, so only the configured layers are ever held, never all 61.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core.errors import UserError
+
+log = logging.getLogger("eagle3.verifier")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class VerifierFacts:
     vocab_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
+    fingerprint: str | None = None  # verifier_fingerprint, where the stage recording the facts took it
 
 
 def read_text_config(path: Path) -> dict[str, Any]:
@@ -61,6 +66,73 @@ def verifier_facts(path: Path) -> VerifierFacts:
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(tie) if tie is not None else False,
     )
+
+
+# What verifier_fingerprint reads of each weight file besides its name, size and safetensors header:
+# FINGERPRINT_BLOCKS blocks of FINGERPRINT_BLOCK_BYTES spread evenly over its data (2 MiB a file; all of a
+# file smaller than that). Kimi-K2.5's ~64 files of ~9.5 GB: ~130 MB read, not its ~600 GB.
+FINGERPRINT_BLOCKS = 8
+FINGERPRINT_BLOCK_BYTES = 1 << 18
+FINGERPRINT_VERSION = "sampled-sha256/1"  # part of the digest: another way of sampling never matches
+# config.json keys that change no hidden state (generation ids, bookkeeping): a verifier copied with another
+# eos_token_id is the same verifier
+FINGERPRINT_IGNORED = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
+                                 "use_cache", "_name_or_path", "torch_dtype", "dtype"})  # fmt: skip
+
+
+def verifier_fingerprint(path: Path) -> str:
+    """The verifier's identity, recorded by stages 00 and 01 and checked by every stage given a verifier:
+    a sha256 over its text config (config.json; Kimi-K2.5's `text_config`; less FINGERPRINT_IGNORED) and,
+    for every *.safetensors file, its name, size, header (tensor names, dtypes, shapes, offsets) and a fixed
+    sample of its data. Bounded cost, not a full hash: two checkpoints that differ only in bytes outside the
+    sampled blocks get the same fingerprint. Other weights of the same config (trained, re-initialised,
+    fine-tuned) differ in every block, so they never do; nothing is cached (weights replaced in place)."""
+    h = hashlib.sha256(FINGERPRINT_VERSION.encode() + b"\0")
+    text = {k: v for k, v in read_text_config(path).items() if k not in FINGERPRINT_IGNORED}
+    h.update(json.dumps(text, sort_keys=True).encode() + b"\0")
+    for f in sorted(path.glob("*.safetensors")):
+        _digest_weight_file(h, f)
+    return h.hexdigest()
+
+
+def _digest_weight_file(h: Any, f: Path) -> None:
+    size = f.stat().st_size
+    h.update(f"{f.name}\0{size}\0".encode())
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+        start = min(8 + header_len, size)
+        h.update(head + fh.read(start - len(head)))
+        data = size - start
+        n = FINGERPRINT_BLOCKS if data > FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK_BYTES else 1
+        block = FINGERPRINT_BLOCK_BYTES if n > 1 else data
+        for i in range(n):
+            fh.seek(start + (data - block) * i // max(n - 1, 1))
+            h.update(fh.read(block))
+
+
+def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path: Path) -> str | None:
+    """The fingerprint of the verifier at `path`, refused (UserError naming both) when it differs from the
+    one that `where` records of `recorded_path`; an older record without one is named in a warning."""
+    if recorded is None:
+        log.warning("%s records no verifier fingerprint (made by an older version): %s is not checked "
+                    "against the verifier that made it", where, path)  # fmt: skip
+        return None
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"verifier {path}: no config.json there ({where} records {recorded_path}; paths are recorded "
+            "relative to the folder of the file recording them, so a folder copied away from its run loses "
+            "them): pass the verifier with --verifier-path"
+        )
+    got = verifier_fingerprint(path)
+    if got != recorded:
+        raise UserError(
+            f"verifier {path} (fingerprint {got[:16]}) is not the verifier {where} records: {recorded_path} "
+            f"(fingerprint {recorded[:16]}, as it was then), whose states, mapping and draft these are. "
+            "Pass that verifier (--verifier-path), or redo the stages from 01_extract_hidden_states.py "
+            "with this one"
+        )
+    return got
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

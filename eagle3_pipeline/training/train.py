@@ -59,7 +59,9 @@ from eagle3_pipeline.training.epochs import EpochCount, EpochPlan, padding_of
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.training.online import NoServerLeft
 from eagle3_pipeline.data.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
-from eagle3_pipeline.data.shards import SampleRef, ShardSet, has_states, load_sample, open_shards
+from eagle3_pipeline.data.shards import (
+    SampleRef, ShardSet, check_built_from, has_states, load_sample, open_shards,
+)
 from eagle3_pipeline.data.split import load_split, split_samples
 from eagle3_pipeline.training.train_metrics import (
     Recipe,
@@ -71,14 +73,15 @@ from eagle3_pipeline.training.train_metrics import (
     validate,
     with_state_noise,
 )
-from eagle3_pipeline.models.verifier import draft_tensors_of, read_text_config
+from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of, read_text_config
 from eagle3_pipeline.data.vocab import load_mapping
 
 log = logging.getLogger("eagle3.train")
 
 # Fields of meta.json that must not change under a resume (bitwise-exact continuation needs them).
 # "recipe" is train_metrics.Recipe, compared field by field (check_resume).
-RESUME_KEYS = ("draft", "vocab_mapping_sha256", "shards", "num_train", "recipe")
+# The shards are compared by content (shard_manifests), not by path: a copied or moved run resumes.
+RESUME_KEYS = ("draft", "vocab_mapping_sha256", "shard_manifests", "num_train", "recipe")
 
 
 @dataclass
@@ -125,12 +128,14 @@ def open_data(cfg: TrainConfig) -> RunData:
     expect = {**vocab_meta["source"], "_source": f"{cfg.vocab_mapping_dir}/meta.json"}
     expect["verifier"] = {k: v for k, v in expect["verifier"].items() if k != "path"}
     shard_set = open_shards(cfg.data_dir, expect=expect)
+    check_built_from(Path(cfg.vocab_mapping_dir), shard_set, "--vocab-mapping-dir")
     if cfg.states == "shards" and not has_states(shard_set.meta):
         raise UserError(
             f"{shard_set.shards[0]}: a token shard (stage 01 --storage-dtype none: no hidden states); train "
             'on it with --states online and running vLLM servers (--servers), or extract states into shards'
         )
     if cfg.split_dir:
+        check_built_from(Path(cfg.split_dir), shard_set, "--split-dir")
         train_refs, val_refs = load_split(Path(cfg.split_dir), shard_set.samples)
     else:
         train_refs, val_refs = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
@@ -144,7 +149,7 @@ def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
     verifier = meta["verifier"]
     # the MLA dims [train] leaves unset, and rope_scaling "verifier", come from the verifier's config.json
     if cfg.draft_arch == "mla" or cfg.rope_scaling == rope_scaling.VERIFIER:
-        verifier = {**read_text_config(Path(cfg.verifier_path or verifier["path"])), **verifier}
+        verifier = {**read_text_config(Path(cfg.verifier_path or data.shard_set.verifier_path())), **verifier}
     return spec_for_training(cfg, verifier, int(data.d2t.numel()), meta["aux_layer_ids"])
 
 
@@ -304,7 +309,10 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
     torch.manual_seed(cfg.seed)
     data = open_data(cfg)
     spec = draft_spec(cfg, data)
-    verifier_path = Path(cfg.verifier_path or data.shard_set.meta["verifier"]["path"])
+    verifier_path = Path(cfg.verifier_path or data.shard_set.verifier_path())
+    shard_set = data.shard_set
+    check_verifier(verifier_path, shard_set.meta["verifier"].get("fingerprint"),
+                   shard_set.shards[0] / storage.META_NAME, shard_set.verifier_path())  # fmt: skip
     plan = plan_run(cfg, data, dist)
     kern = resolve_kernels(cfg, device)
     run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
@@ -382,9 +390,10 @@ def _run_meta(cfg: TrainConfig, data: RunData, spec: DraftSpec, verifier_path: P
     return {
         "stage": "04_train",
         "draft": spec.to_json(),
-        **data.shard_set.made_from(),
-        "verifier_path": str(verifier_path.resolve()),
-        "vocab_mapping_dir": str(Path(cfg.vocab_mapping_dir).resolve()),
+        **data.shard_set.made_from(Path(cfg.out_dir)),
+        "verifier_path": storage.record_path(verifier_path, Path(cfg.out_dir)),
+        "vocab_mapping_dir": storage.record_path(cfg.vocab_mapping_dir, Path(cfg.out_dir)),
+        storage.WRITTEN_IN: os.path.abspath(cfg.out_dir),
         "vocab_mapping_sha256": data.vocab_meta["mapping_sha256"],
         "num_train": len(data.train_refs),
         "num_val": len(data.val_refs),
