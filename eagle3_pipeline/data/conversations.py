@@ -3,7 +3,7 @@
 Accepted rows: OpenAI `{"messages": [{"role", "content", ...}], "tools": [...]}` and ShareGPT
 `{"conversations": [{"from", "value"}]}` (role/content inside `conversations` works too), optional `id`.
 Sources: .jsonl (one row per line; a UTF-8 BOM is ignored), .json (a list of rows), or a folder saved
-by `datasets`. What generation needs is kept (issue 8): reasoning, tool calls, tool results and the
+by `datasets`. What generation needs is kept: reasoning, tool calls, tool results and the
 row's tool declarations; see `normalize_row`. Rows become training samples in samples.py.
 `tokenize_conversation` is the single-sample method for append-only templates.
 """
@@ -98,7 +98,7 @@ def _parse_line(index: int, line: bytes) -> RawRow:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
         return RawRow(index, error=f"not UTF-8 ({e.reason} at byte {e.start})")
-    text = text.removeprefix(UTF8_BOM)  # editors on Windows start files with one (issue 8)
+    text = text.removeprefix(UTF8_BOM)  # editors on Windows start files with one
     if not text.strip():
         return RawRow(index, error="empty line")
     try:
@@ -146,8 +146,8 @@ def normalize_row(row: Any) -> Conversation:
     """The row as the chat template needs it (OpenAI message dicts plus the row's `tools`), or RowRejected.
 
     Kept per turn: `content` (a string; text parts joined), `reasoning_content` (from `reasoning_content`,
-    `reasoning`, `thinking`, or a leading inline `<think>R</think>` in an assistant's content: issue 8;
-    both texts exactly as given, whitespace where they meet included: issue 18),
+    `reasoning`, `thinking`, or a leading inline `<think>R</think>` in an assistant's content;
+    both texts exactly as given, whitespace where they meet included),
     `tool_calls` (OpenAI form, arguments as a JSON string, ids `functions.<name>:<n>` when missing, the
     form Kimi-K2.5 writes), `tool_call_id` and `name` of tool results. ShareGPT `function_call` turns
     become assistant tool calls, `observation` turns tool results. Null fields count as absent (a
@@ -262,7 +262,7 @@ def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> 
         reasoning, content = _split_inline(n, content)
     if THINK_OPEN in content or THINK_CLOSE in content:
         raise RowRejected(f"turn {n} has {THINK_OPEN} or {THINK_CLOSE} inside its answer")
-    # Both texts as given, newlines at the seam included (issue 18): Kimi-K2.5's template renders
+    # Both texts as given, newlines at the seam included: Kimi-K2.5's template renders
     # `<think>R</think>A` and strips neither side (Qwen3's template strips them itself), so
     # `R\n</think>\n\nA` is what the model generated and what a client replays: vLLM's kimi_k2 reasoning
     # parser (thinking: DeepSeekR1ReasoningParser) partitions the output at `</think>` and strips nothing

@@ -1,4 +1,4 @@
-"""Rows to training samples that match serving: per-turn contexts, loss masks, length handling (issue 8).
+"""Rows to training samples that match serving: per-turn contexts, loss masks, length handling.
 
 One entry point, `row_samples`, which stage 01 calls per row; every bad row is a `RowRejected` reason.
 
@@ -166,8 +166,9 @@ def generic_turn_pairs(tokenizer: Any, conv: Conversation, kwargs: dict[str, Any
 
 
 class KimiK25Rules:
-    """Kimi-K2.5's template (facts in issue 8): serving prompt `...<|im_assistant|>assistant<|im_middle|>
-    <think>` (thinking, the default) or `...<think></think>` (`{"thinking": false}`: instant mode). Every
+    """Kimi-K2.5's template (docs/reference.md, Kimi-K2.5 data): serving prompt
+    `...<|im_assistant|>assistant<|im_middle|><think>` (thinking, the default) or `...<think></think>`
+    (`{"thinking": false}`: instant mode). Every
     assistant turn up to and including the last one without tool calls renders as history with an empty
     `<think></think>`; so a final answer is never rendered with its reasoning, and the generic method would
     supervise `</think>` right after `<think>`. Here a turn's supervised tokens are built from its parts:
@@ -324,7 +325,7 @@ def fit_length(units: list[Unit], opts: SampleOptions) -> list[tuple[list[int], 
 def accepted_rows(
     raws: Iterable[RawRow], build: Callable[[RawRow], Any], rejects: list[dict[str, Any]], source: str = ""
 ) -> Iterator[tuple[int, Any]]:
-    """(row index, build(raw)) of every row that builds; no exception escapes for any row (issue 8): a bad
+    """(row index, build(raw)) of every row that builds; no exception escapes for any row: a bad
     row is a reason appended to `rejects`, an unexpected error too (logged with its traceback), so every
     row is written or rejected. The first MAX_REJECTS_LOGGED_PER_PART rejects are logged."""
     line_note = " (line {})" if source.endswith(".jsonl") else ""

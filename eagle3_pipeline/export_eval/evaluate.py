@@ -46,8 +46,8 @@ log = logging.getLogger("eagle3.evaluate")
 # max_new_tokens as vLLM does (acceptance.py), their counters are equal on the CI models in fp32 (tiny
 # Llama tier: 100/93/93 accepted of 104 drafts in both; before, the simulation had 100/91/89). A fp32
 # near-tie that vLLM's kernels resolve differently moves a rate by one draft in the number of drafts:
-# 0.01 absolute per position (issue 9's bound) allows that at ~100 drafts, and is far below the effect
-# of any contract fault (a missing head_dim or d2t, or shifted aux ids, move rates by 0.2-0.9).
+# 0.01 absolute per position allows that at ~100 drafts, and is far below the effect of any contract fault
+# (a missing head_dim or d2t, or shifted aux ids, move rates by 0.2-0.9).
 RATE_TOLERANCE = 0.01
 # Sampled requests: the simulation replays vLLM's own outputs (acceptance.py, "Replaying vLLM"): drafts
 # must be equal, accepted counts equal up to the last steps' unshown positions, and vLLM's accepted count
@@ -102,7 +102,7 @@ def training_template_kwargs(draft_dir: Path) -> dict[str, Any]:
             f"{draft_dir}: cannot find the chat_template_kwargs training used ({type(e).__name__}: {e}); "
             "pass --chat-template-kwargs"
         ) from None
-    # shards from before issue 8 carry no kwargs: they were rendered with none
+    # shards from before template kwargs were recorded carry none: they were rendered with none
     found = {json.dumps(m.get("chat_template_kwargs", {}), sort_keys=True) for m in metas}
     if len(found) != 1:
         raise UserError(

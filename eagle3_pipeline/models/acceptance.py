@@ -21,7 +21,7 @@ at max_tokens, so the last round verifies all k drafts and its counters include 
 max_tokens that the output then drops (`scheduler.py`: num_accepted = sampled - 1 before the stop
 check). The simulation therefore ends the request after `max_new_tokens` but compares the last drafts
 with a trace that runs k - 1 tokens further (`trace_length`). Stopping the comparison at the end instead
-made the simulation low at the deeper positions, by more the better the draft (issue 9).
+made the simulation low at the deeper positions, by more the better the draft.
 
 Sampling (temperature > 0, the way Kimi-K2.5 is served in thinking mode: 1.0 / top_p 0.95). vLLM 0.32's
 EAGLE-3 proposer still drafts the draft's argmax (`draft_sample_method` "greedy", its default), and the

@@ -261,7 +261,7 @@ def _index(path: Path) -> dict[str, str]:
 
 
 # The final norm and heads, whatever the prefix: `language_model.model.norm.weight` in Kimi-K2.5's
-# checkpoint, `language_model.norm.weight` in some repacks of it (issue 8).
+# checkpoint, `language_model.norm.weight` in some repacks of it.
 _WANTED = {
     "embed_tokens": re.compile(r"(^|\.)embed_tokens\.weight$"),
     "norm": re.compile(r"(^|\.)model\.norm\.weight$|^norm\.weight$|^language_model\.norm\.weight$"),
