@@ -243,11 +243,6 @@ def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
         write_json_atomic(run_file, settings)
 
 
-def tree_bytes(folder: Path) -> int:
-    """Bytes of the files under `folder` (0 when it does not exist)."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
-
-
 def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
     """True when the stage should run; False (logged: a skip) when the output is complete.
 

@@ -158,7 +158,9 @@ def open_for_output(data_dirs: list[str], out_dir: Path, overwrite: bool) -> Ite
         return
     with storage.output_lock(out_dir):
         shard_set = open_shards(data_dirs)
-        storage.prepare_output_dir(out_dir, overwrite)
+        if not storage.prepare_output_dir(out_dir, overwrite):  # another writer finished it meanwhile
+            yield None
+            return
         yield shard_set
 
 
@@ -295,6 +297,12 @@ def _check_same(shard: Path, meta: dict[str, Any], ref: dict[str, Any], ref_name
                 f"{ref_name}; shards of one run must share verifier, layer ids, hidden size, dtype and "
                 "storage dtype"
             )
+    mine, theirs = meta["verifier"].get("fingerprint"), ref["verifier"].get("fingerprint")
+    if mine and theirs and mine != theirs:  # same shapes, other weights (a base model and its fine-tune)
+        raise UserError(
+            f"{shard / storage.META_NAME}: verifier fingerprint {mine} differs from {theirs} in {ref_name}; "
+            "the shard comes from another verifier (same config, other weights)"
+        )
     for key in VERIFIER_KEYS:
         if meta["verifier"][key] != ref["verifier"][key]:
             raise UserError(

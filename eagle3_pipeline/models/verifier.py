@@ -122,7 +122,8 @@ def check_verifier(path: Path, recorded: str | None, where: Path, recorded_path:
         raise UserError(
             f"verifier {path}: no config.json there ({where} records {recorded_path}; paths are recorded "
             "relative to the folder of the file recording them, so a folder copied away from its run loses "
-            "them): pass the verifier with --verifier-path"
+            "them): pass the verifier with --verifier-path (stages 01, 04, 06), or run stage 05 where the "
+            "training run lies"
         )
     got = verifier_fingerprint(path)
     if got != recorded:

@@ -155,6 +155,13 @@ def memory_per_gpu(
     }
 
 
+def _recorded_verifier(vocab_meta: dict[str, Any], vocab_dir: Path) -> Path:
+    """The verifier a vocab mapping's shards were extracted with: its first shard's meta.json records it,
+    both paths relative to the folder of the meta.json that holds them (storage.record_path)."""
+    shard = storage.recorded_path(vocab_meta["shards"][0], vocab_dir)
+    return storage.recorded_path(storage.read_json(shard / storage.META_NAME)["verifier"]["path"], shard)
+
+
 def ttt_steps_warning(cfg: TrainConfig, gpus: int, cuda: bool) -> str | None:
     """Why --ttt-steps above --served-k costs without serving (None: it is not above, or the inputs are
     unreadable, which the run itself refuses naming them): the steps vLLM will never propose, and the
@@ -163,9 +170,10 @@ def ttt_steps_warning(cfg: TrainConfig, gpus: int, cuda: bool) -> str | None:
     if cfg.parallel_drafting or cfg.ttt_steps <= cfg.served_k:
         return None
     try:
-        vocab = storage.read_json(Path(cfg.vocab_mapping_dir or "") / storage.META_NAME)
+        vocab_dir = Path(cfg.vocab_mapping_dir or "")
+        vocab = storage.read_json(vocab_dir / storage.META_NAME)
         source = vocab["source"]
-        text = read_text_config(Path(cfg.verifier_path or source["verifier"]["path"]))
+        text = read_text_config(Path(cfg.verifier_path or _recorded_verifier(vocab, vocab_dir)))
         verifier = {"hidden_size": int(text["hidden_size"]), "vocab_size": int(text["vocab_size"]),
                     "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6))}  # fmt: skip
         aux = source["aux_layer_ids"]

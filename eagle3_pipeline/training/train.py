@@ -162,6 +162,9 @@ def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
     if resume_from is None or not meta_path.exists():
         return resume_from
     old = storage.read_json(meta_path)
+    if "shard_manifests" not in old:  # a run folder of an older version: its shards were recorded by path
+        log.warning("%s records no shard checksums (older version): the shards are not compared", meta_path)
+        old["shard_manifests"] = run_meta["shard_manifests"]
     changed = [k for k in RESUME_KEYS if k != "recipe" and old.get(k) != run_meta[k]]
     before = old.get("recipe", {})
     changed += [

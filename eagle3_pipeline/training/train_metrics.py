@@ -43,7 +43,7 @@ class Recipe:
     Deliberately not here: how the same maths is computed (dtype, attn_impl, loss_impl, compile: a run may
     resume on another device; meta.json records them under "kernels"), where states come from (states,
     servers, transfer, cache_*: the same states), the draft's shapes and the data (compared as meta.json's
-    "draft", "shards", "vocab_mapping_sha256"), and what only watches or keeps the run (log_every,
+    "draft", "shard_manifests", "vocab_mapping_sha256"), and what only watches or keeps the run (log_every,
     eval_every, save_every, keep_last, num_workers, loggers, prefetch and request settings)."""
 
     ttt_steps: int
