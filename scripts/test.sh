@@ -11,5 +11,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # exit 5: a subset (-k) that selects nothing in one of the two runs
-"$PY" -m pytest -q -rs -n 2 --dist loadfile --ignore-glob='tests/test_vllm_*' "$@" tests || [ $? = 5 ]
-"$PY" -m pytest -q -rs "$@" tests/test_vllm_*.py || [ $? = 5 ]
+"$PY" -m pytest -q -rfEs -n 2 --dist loadfile --ignore-glob='tests/test_vllm_*' "$@" tests || [ $? = 5 ]
+"$PY" -m pytest -q -rfEs "$@" tests/test_vllm_*.py || [ $? = 5 ]

@@ -147,3 +147,15 @@ def test_a_copied_run_is_its_own_run(tiny_run, tmp_path):
     train = json.loads((copy / "train" / "meta.json").read_text())
     recorded = (train["verifier_path"], train["vocab_mapping_dir"], *train["shards"])
     assert not any(os.path.isabs(p) for p in recorded), recorded
+
+
+def test_shards_of_one_set_must_share_the_verifier_fingerprint(tiny_run, reseeded_verifier, tmp_path):
+    """Same config, other weights (a base model beside its fine-tune): every shape agrees, only the
+    fingerprint tells the two shards' states apart; stage 02 on both is refused naming it."""
+    other = tmp_path / "other"
+    run_script(*extract_args(reseeded_verifier, tiny_run / "regenerated" / "conversations.jsonl", other),
+               "--start-row", "4", "--end-row", "8")  # fmt: skip
+    proc = run_script(script("02_build_vocab_mapping.py"), "--data-dir", str(tiny_run / "hidden_states"),
+                      str(other), "--out-dir", str(tmp_path / "vocab"), check=False)  # fmt: skip
+    refused(proc, "verifier fingerprint", shard_of(other))
+    assert not (tmp_path / "vocab").exists()

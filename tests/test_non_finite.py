@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, extract_args, read_jsonl, run_script, script, shard_of
+from conftest import CONVERSATIONS, extract_args, read_jsonl, record_digests, run_script, script, shard_of
 
 
 def _rehash(shard: Path) -> None:
@@ -117,10 +117,18 @@ def test_a_non_finite_step_stops_training_naming_step_and_samples_and_keeps_the_
     bad = _step_refs(tiny_run, shard, 2)[0]
     _poison_sample(shard, bad)
     out = tmp_path / "t"
+    config = str(tiny_run / "tiny.toml")
+    # the poisoned shard is other shards (its manifest's sha256): a mapping and split of its own, the same
+    # token counts and sample ids, so the same draft vocabulary and the same split
+    run_script(script("02_build_vocab_mapping.py"), "--config", config, "--data-dir", str(shard), "--out-dir",
+               str(tmp_path / "vocab"))  # fmt: skip
+    run_script(script("03_split_data.py"), "--config", config, "--data-dir", str(shard), "--out-dir",
+               str(tmp_path / "split"))  # fmt: skip
     args = [
-        script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--data-dir", str(shard),
-        "--out-dir", str(out), "--max-steps", "2", "--save-every", "1", "--log-every", "1",
-        "--val-max-samples", "1",
+        script("04_train.py"), "--config", config, "--data-dir", str(shard), "--vocab-mapping-dir",
+        str(tmp_path / "vocab"), "--split-dir", str(tmp_path / "split"), "--out-dir", str(out),
+        "--max-steps", "2", "--save-every", "1", "--log-every", "1", "--val-max-samples", "1",
+        "--verifier-path", str(tiny_run / "verifier"),  # the shard copied alone: its relative path is lost
     ]  # fmt: skip
     proc = run_script(*args, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -156,6 +164,7 @@ def _train_dir_with(tiny_run: Path, dst: Path, name: str, value: float, first_on
     else:
         weights[name].fill_(value)
     save_file(weights, str(dst / "checkpoints" / ckpt.name / "model.safetensors"))
+    record_digests(dst / "checkpoints" / ckpt.name)  # as if saved so: only the values are wrong
     return ckpt.name
 
 

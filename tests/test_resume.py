@@ -17,6 +17,7 @@ from conftest import (
     extract_args,
     kill_when,
     popen_script,
+    record_digests,
     run_killed_after,
     run_script,
     script,
@@ -220,7 +221,7 @@ def test_a_checkpoint_saved_on_a_gpu_loads_to_cpu(tiny_run, tmp_path):
         torch.save(state, ckpt / "state.pt")
     finally:
         ser._package_registry[:] = [p for p in ser._package_registry if p[1] is not as_cuda]
-    _record_digests(ckpt)  # the rewritten state.pt is this test's, not a corruption
+    record_digests(ckpt)  # the rewritten state.pt is this test's, not a corruption
     if not torch.cuda.is_available():  # the file is a GPU run's: loading it as saved needs CUDA
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(ckpt / "state.pt", weights_only=False)
@@ -231,19 +232,6 @@ def test_a_checkpoint_saved_on_a_gpu_loads_to_cpu(tiny_run, tmp_path):
 
     assert moments(loaded) and all(t.device.type == "cpu" for t in moments(loaded))
     assert all(torch.equal(a, b) for a, b in zip(moments(loaded), moments(state), strict=True))
-
-
-def _record_digests(ckpt: Path) -> None:
-    """checkpoint.json records the files as they are now (a test's own rewrite of one of them)."""
-    from eagle3_pipeline.core import storage
-    from eagle3_pipeline.training import checkpoint
-
-    info = json.loads((ckpt / checkpoint.INFO_FILE).read_text())
-    info[checkpoint.FILES_KEY] = {
-        name: {"sha256": storage.sha256_file(ckpt / name), "bytes": (ckpt / name).stat().st_size}
-        for name in (checkpoint.WEIGHTS_FILE, checkpoint.STATE_FILE)
-    }
-    (ckpt / checkpoint.INFO_FILE).write_text(json.dumps(info))
 
 
 @pytest.fixture(scope="module")

@@ -226,14 +226,15 @@ def test_stage_04_reads_the_verifiers_yarn_from_its_config_json(tmp_path):
     config.json, which the shards' meta.json does not carry."""
     from types import SimpleNamespace
 
+    from eagle3_pipeline.data.shards import ShardSet
     from eagle3_pipeline.models.tiny import tiny_config
     from eagle3_pipeline.training.train import draft_spec
 
     text = {**tiny_config("kimi_mla"), "rope_scaling": KIMI_YARN}
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25"], "text_config": text}))
     verifier = {"path": str(tmp_path), **{k: text[k] for k in ("hidden_size", "vocab_size", "rms_norm_eps")}}
-    data = SimpleNamespace(shard_set=SimpleNamespace(meta={"verifier": verifier, "aux_layer_ids": [2, 4, 5]}),
-                           d2t=torch.zeros(96, dtype=torch.long))  # fmt: skip
+    shard_set = ShardSet([], {"verifier": verifier, "aux_layer_ids": [2, 4, 5]}, [])
+    data = SimpleNamespace(shard_set=shard_set, d2t=torch.zeros(96, dtype=torch.long))
     base = {"draft_arch": "llama", "norm_before_fc": True, "num_key_value_heads": 2, "head_dim": 64}
     assert draft_spec(train_cfg(**base, rope_scaling="verifier"), data).rope_scaling["factor"] == 64.0
     assert draft_spec(train_cfg(**base), data).rope_scaling is None  # the default: plain RoPE

@@ -85,8 +85,8 @@ def vllm_version(python: str | None) -> str:
         text=True,
     )
     if probe.returncode != 0:
-        raise UserError(f"vLLM engine unavailable: {py} has no vllm (run scripts/setup_vllm_cpu.sh or "
-                        "set --vllm-python)")  # fmt: skip
+        raise UserError(f"vLLM engine unavailable: {py} cannot import vllm (no vllm package there: run "
+                        "scripts/setup_vllm_cpu.sh or set --vllm-python)")  # fmt: skip
     return probe.stdout.strip()
 
 
