@@ -71,6 +71,9 @@ def test_regenerated_completions_equal_the_verifiers_own_greedy_output(tiny_llam
     meta = json.loads((tmp_path / "regen" / "meta.json").read_text())
     assert meta["engine"] == "hf" and meta["temperature"] == 0.0 and meta["num_regenerated"] == 4
     assert meta["stop_token_ids"] == [tok.eos_token_id]
+    lengths = sorted(len(s["completion_ids"]) for r in out for s in r["token_samples"])
+    assert meta["completion_length_tokens"]["max"] == lengths[-1] <= MAX_NEW
+    assert meta["finish_reasons"]["length"] == sum(n == MAX_NEW for n in lengths)  # the rows cut at the cap
 
 
 def test_regeneration_killed_then_rerun_is_byte_identical(tiny_llama_verifier, tmp_path):

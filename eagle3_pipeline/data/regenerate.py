@@ -179,9 +179,11 @@ def render_prompt(tokenizer: Any, conv: Conversation, turn: int, kwargs: dict[st
     return render_ids(tokenizer, conv.messages[:turn], True, conv.tools, kwargs)
 
 
-def assistant_message(text: str) -> dict[str, Any]:
+def assistant_message(text: str, thinking: bool = False) -> dict[str, Any]:
     """A regenerated turn as a message: reasoning before `</think>` split out (the generation prompt of a
-    thinking template ends with `<think>`), so that later prompts render it as the template does history."""
+    thinking template ends with `<think>`), so that later prompts render it as the template does history.
+    `thinking` (the prompt opened `<think>`) and no `</think>`: the turn was cut at max_new_tokens inside its
+    reasoning, so the text is reasoning and the answer is empty (vLLM's reasoning parser returns it so)."""
     reasoning, sep, answer = text.partition("</think>")
     if sep:
         return {
@@ -189,7 +191,23 @@ def assistant_message(text: str) -> dict[str, Any]:
             "content": answer,
             "reasoning_content": reasoning.removeprefix("<think>"),
         }
+    if thinking:
+        return {"role": "assistant", "content": "", "reasoning_content": text.removeprefix("<think>")}
     return {"role": "assistant", "content": text}
+
+
+def opens_thinking(tokenizer: Any, prompt: list[int]) -> bool:
+    """Whether the generation prompt ends with `<think>` (a thinking template: the completion reasons)."""
+    return tokenizer.decode(prompt[-4:], skip_special_tokens=False).endswith("<think>")
+
+
+def length_summary(lengths: list[int]) -> dict[str, int]:
+    """p50 / p90 / max of completion lengths in tokens (nearest rank), for the log and meta.json."""
+    if not lengths:
+        return {"p50": 0, "p90": 0, "max": 0}
+    s = sorted(lengths)
+    n = len(s)
+    return {"p50": s[(n + 1) // 2 - 1], "p90": s[(9 * n + 9) // 10 - 1], "max": s[-1]}  # ceil(q n)-th
 
 
 def regenerate_rows(
@@ -218,7 +236,8 @@ def regenerate_rows(
             break
         for s, prompt, (completion, finish) in zip(pending, prompts, generator.generate(prompts, budgets)):
             i, msgs = s["turn"], s["conv"].messages
-            msgs[i] = assistant_message(tokenizer.decode(completion, skip_special_tokens=True))
+            text = tokenizer.decode(completion, skip_special_tokens=True)
+            msgs[i] = assistant_message(text, opens_thinking(tokenizer, prompt))
             s["samples"].append(
                 {"turn": i, "prompt_ids": prompt, "completion_ids": completion, "finish_reason": finish}
             )
@@ -372,11 +391,12 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
     storage.write_bytes_atomic(out_dir / OUTPUT_NAME, ("\n".join(rows) + "\n").encode() if rows else b"")
     parts.write_rejects(out_dir, rejects)
     finishes: dict[str, int] = {}
-    tokens = 0
+    lengths: list[int] = []
     for line in rows:
         for s in json.loads(line)["token_samples"]:
             finishes[s["finish_reason"]] = finishes.get(s["finish_reason"], 0) + 1
-            tokens += len(s["completion_ids"])
+            lengths.append(len(s["completion_ids"]))
+    tokens, spread = sum(lengths), length_summary(lengths)
     storage.write_json_atomic(
         out_dir / storage.META_NAME,
         {
@@ -386,7 +406,8 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
             "num_regenerated": len(rows),
             "num_rejected": len(rejects),
             "completion_tokens": tokens,
-            "finish_reasons": finishes,
+            "finish_reasons": finishes,  # "length": cut at max_new_tokens (or at max_seq_len's room)
+            "completion_length_tokens": spread,
             "output": OUTPUT_NAME,
             "sha256": storage.sha256_file(out_dir / OUTPUT_NAME),
             **provenance(cfg),
@@ -396,4 +417,9 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
     log.info(
         "done %s | rows %d | regenerated %d | rejected %d | completion tokens %d | finish %s",
         out_dir, total, len(rows), len(rejects), tokens, json.dumps(finishes),
+    )  # fmt: skip
+    log.info(
+        "completion lengths | turns %d | p50 %d | p90 %d | max %d tokens | cut at the cap (finish "
+        "\"length\") %d of %d: raise max_new_tokens if many are",
+        len(lengths), spread["p50"], spread["p90"], spread["max"], finishes.get("length", 0), len(lengths),
     )  # fmt: skip
