@@ -79,15 +79,16 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
         8 * TRAINABLE,
     )
     assert 0 <= m["weights"] - 4 * (TRAINABLE + FROZEN) - (VD * 8 + V) < 1024  # + d2t int64, t2d bool, rope
-    T = 16384  # batch_tokens of kimi_k25.toml (ttt_steps 3)
+    train = tomllib.loads(KIMI.read_text())["train"]
+    T = max(train["batch_tokens"], train["max_seq_len"])  # kimi_k25.toml's packed row (ttt_steps 3)
     # sdpa: boolean masks, the last two alive together (T^2 (2 x 3 + 1)), and the additive bf16 masks
     # [T, (s+1)T] kept for backward at each step
     assert m["attention_mask_by_impl"]["sdpa"] == T * T * (2 * 3 + 1) + 2 * T * T * (1 + 2 + 3)
     assert m["attention_mask_by_impl"]["flex"] < 2.1 * T * T  # the transient dense mask + block indices
     # on the GPUs it plans for, auto trains with flex (kernel_policy.resolve on CUDA)
     assert m["mask_impl"] == "flex" and m["total"] == m["total_by_impl"]["flex"]
-    # steps: 1% held out by stage 03, 16384 // 2000 = 8 rows per micro-batch, 8 GPUs, 10 epochs
-    micro = math.ceil(600_000 * 0.99 / 8)
+    # steps: 1% held out by stage 03, batch_tokens // 2000 rows per micro-batch, 8 GPUs, 10 epochs
+    micro = math.ceil(600_000 * 0.99 / (train["batch_tokens"] // 2000))
     assert p["steps"] == {
         "micro_batches_per_epoch": micro,
         "steps_per_epoch": math.ceil(micro / 8),  # the last step takes the remainder (epochs.py)
@@ -280,7 +281,7 @@ def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_s
     kimi_config_only, tmp_path
 ):
     """A Kimi-sized checkpoint (its safetensors index's total_size: 640 GB, 80 GB per GPU at TP 8) beside
-    the trainer of kimi_k25.toml: no room for a 4,096-token prefill's KV cache on an H200, room on a
+    the trainer of kimi_k25.toml: no room for a max_seq_len prefill's KV cache on an H200, room on a
     B200; the producers must deliver the trainer's tokens/s of bf16 states."""
     from eagle3_pipeline.sizing import colocation
 
@@ -298,10 +299,11 @@ def test_colocation_plan_says_per_gpu_kind_whether_the_trainer_fits_beside_the_s
         assert (g["kv_room"], g["kv_tokens"]) == (room, max(0, room) // kv)
         utilization = (memory - trainer - colocation.MARGIN_BYTES) / memory
         assert g["gpu_memory_utilization"] == pytest.approx(utilization)
-    assert c["prefill_tokens"] == 4096  # kimi_k25.toml's [train] max_seq_len
+    prefill = tomllib.loads(KIMI.read_text())["train"]["max_seq_len"]
+    assert c["prefill_tokens"] == prefill  # kimi_k25.toml's [train] max_seq_len
     assert not c["gpus"]["H200"]["fits"] and c["gpus"]["B200"]["fits"]
     assert c["producer_bytes_per_second"] == 200_000 * 57_344
-    assert "H200 150.75 GB: KV cache 0 B = 0 tokens: DOES NOT FIT a 4,096-token prefill" in proc.stdout
+    assert f"H200 150.75 GB: KV cache 0 B = 0 tokens: DOES NOT FIT a {prefill:,}-token prefill" in proc.stdout
     assert "producers     200,000 tokens/s of states keep the trainer busy: 11.47 GB/s" in proc.stdout
     # a config-only folder: the server's share is unknown, and the plan says so instead of guessing
     (kimi_config_only / "model.safetensors.index.json").unlink()

@@ -2,7 +2,8 @@
 
 Slot t of a sample gets the verifier's aux states at t, the embedding of token t+1 and RoPE position t,
 and learns the verifier's distribution at t+1 (vLLM's EAGLE-3 proposer, docs/vllm_contract.md section 1).
-Several samples share one row; document ids keep their attention apart.
+Several samples share one row; document ids keep their attention apart. A sample longer than max_seq_len
+trains in windows (length_mix.py), each at its true positions.
 """
 
 from __future__ import annotations
@@ -13,9 +14,19 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data import length_mix
 from eagle3_pipeline.data.shards import SampleRef, load_sample
 
 PACKED_KEYS = ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
+WINDOW_START = "window_start"  # a window's first position in its sample (window_of): its RoPE offset
+
+
+def window_of(sample: dict[str, torch.Tensor], ref: SampleRef) -> dict[str, Any]:
+    """The tokens of a window (ref.start, ref.num_tokens) of a loaded sample; a whole sample as it is."""
+    if ref.start == 0:
+        return sample
+    end = ref.start + ref.num_tokens
+    return {**{k: v[ref.start : end] for k, v in sample.items()}, WINDOW_START: ref.start}
 
 
 def pack(
@@ -28,7 +39,7 @@ def pack(
     """
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in PACKED_KEYS}
     for doc, s in enumerate(samples):
-        n = min(len(s["input_ids"]), max_seq_len)
+        n, start = min(len(s["input_ids"]), max_seq_len), int(s.get(WINDOW_START, 0))
         if n < 2:
             continue
         mask = s["loss_mask"][1:n].bool()
@@ -37,7 +48,7 @@ def pack(
         parts["verifier_last"].append(s["last_hidden_state"][1:n].float())
         parts["loss_mask"].append(torch.ones_like(mask) if loss_on_all_tokens else mask)
         parts["document_ids"].append(torch.full((n - 1,), doc, dtype=torch.long))
-        parts["position_ids"].append(torch.arange(n - 1))
+        parts["position_ids"].append(torch.arange(start, start + n - 1))
     return {k: torch.cat(v)[None] for k, v in parts.items()}
 
 
@@ -60,9 +71,19 @@ def pack_lengths(lengths: list[int], batch_tokens: int, max_seq_len: int) -> lis
 
 
 def micro_batches(
-    samples: list[SampleRef], batch_tokens: int, max_seq_len: int, seed: int, epoch: int
+    samples: list[SampleRef],
+    batch_tokens: int,
+    max_seq_len: int,
+    seed: int,
+    epoch: int,
+    batching: str = "shuffle",
 ) -> list[list[SampleRef]]:
-    """A seeded shuffle of the samples, packed greedily into micro-batches of at most batch_tokens."""
+    """One epoch's micro-batches of the samples (longer than max_seq_len: their windows, each once).
+    "shuffle": a seeded shuffle packed greedily in that order into micro-batches of at most batch_tokens;
+    "mix": length_mix.mixed_batches (best fit by length, fewer and fuller micro-batches)."""
+    if batching == "mix":
+        return length_mix.mixed_batches(samples, batch_tokens, max_seq_len, seed, epoch)
+    samples = length_mix.all_windows(samples, max_seq_len)
     g = torch.Generator().manual_seed(seed * 100003 + epoch)
     order = torch.randperm(len(samples), generator=g).tolist()
     packed = pack_lengths([samples[i].num_tokens for i in order], batch_tokens, max_seq_len)
@@ -90,7 +111,7 @@ class BatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         try:
-            samples = [load_sample(r) for r in self.batches[i]]
+            samples = [window_of(load_sample(r), r) for r in self.batches[i]]
         except UserError as e:
             return {ERROR_KEY: str(e)}
         return pack(samples, self.max_seq_len, self.loss_on_all_tokens)

@@ -51,6 +51,7 @@ class SampleRef:
     sample_id: str
     num_tokens: int
     sha256: str = ""  # of the sample's stored bytes (storage.sha256_tensors), checked by load_sample
+    start: int = 0  # a window of a longer sample (length_mix.windows): its first token; num_tokens its length
 
 
 @dataclass

@@ -495,7 +495,8 @@ def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> 
         verifier = cfg.verifier_path or shard_set.meta["verifier"]["path"]
         aux, storage_name = shard_set.meta["aux_layer_ids"], shard_set.meta["storage_dtype"]
         train_refs, _ = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
-        micro_batches = len(packing.micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0))
+        micro_batches = len(packing.micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0,
+                                                  cfg.batching))
         lengths = [r.num_tokens for r in shard_set.samples]
         n = sum(int(storage.read_json(s / storage.META_NAME)["num_rows"]) for s in shard_set.shards)
         tokens = Tokens(n, sum(lengths) / n, lengths, f"manifests of {len(shard_set.shards)} shards")

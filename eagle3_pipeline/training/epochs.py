@@ -105,11 +105,12 @@ def positions_of(ref: SampleRef, max_seq_len: int) -> int:
 
 
 def _counts(batches: list[list[SampleRef]], max_seq_len: int) -> dict[str, float]:
-    out = {"samples": 0.0, "id_sum_a": 0.0, "id_sum_b": 0.0, "positions": 0.0}
+    out = {"samples": 0.0, "windows": 0.0, "id_sum_a": 0.0, "id_sum_b": 0.0, "positions": 0.0}
     for refs in batches:
         for r in refs:
-            a, b = _id_hashes(r.sample_id)
-            out["samples"] += 1
+            a, b = _id_hashes(f"{r.sample_id}@{r.start}" if r.start else r.sample_id)
+            out["samples"] += r.start == 0  # a long sample's windows (length_mix.py) count it once
+            out["windows"] += r.start != 0
             out["id_sum_a"] += a
             out["id_sum_b"] += b
             out["positions"] += positions_of(r, max_seq_len)
@@ -148,8 +149,9 @@ class EpochCount:
         resumed = f" (from step {self.from_step} of it: resumed)" if self.from_step else ""
         log.info(
             "train | epoch %d | samples %d, each once%s | positions %d | micro-batches %d (+%d padding) | "
-            "ranks %d x grad_accum %d",
+            "ranks %d x grad_accum %d%s",
             self.plan.epoch, got["samples"], resumed, got["positions"],
             len(self.plan.batches_from(self.from_step)), got["padding"], dist.world, self.plan.grad_accum,
+            f" | +{got['windows']:.0f} windows of longer samples" if got["windows"] else "",
         )  # fmt: skip
         return got

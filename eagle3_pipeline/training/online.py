@@ -43,7 +43,7 @@ from eagle3_pipeline.data import state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.config import TrainConfig
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.packing import pack
+from eagle3_pipeline.data.packing import pack, window_of
 from eagle3_pipeline.data.shards import SampleRef, load_sample
 
 log = logging.getLogger("eagle3.online")
@@ -379,14 +379,19 @@ class OnlineSource:
             }
             self.cache = StateCache(Path(cfg.cache_dir), int(cfg.cache_gb * 1e9), dtype, contract, world)
 
-    def sample(self, ref: SampleRef) -> dict[str, torch.Tensor]:
-        tokens = load_sample(ref, TOKEN_KEYS)
-        ids = tokens["input_ids"][: self.cfg.max_seq_len].tolist()  # pack() cuts there: causal, same prefix
-        got = self.cache.get(ref.sample_id, ids) if self.cache else None
+    def sample(self, ref: SampleRef) -> dict[str, Any]:
+        """A sample (or a window of one: the states of the prefix through its end, its rows kept)."""
+        tokens = window_of(load_sample(ref, TOKEN_KEYS), ref)
+        end = ref.start + min(ref.num_tokens, self.cfg.max_seq_len)  # pack() cuts there: causal, same prefix
+        key = ref.sample_id if ref.start == 0 else f"{ref.sample_id}@{ref.start}"
+        ids = tokens["input_ids"][: end - ref.start].tolist()
+        got = self.cache.get(key, ids) if self.cache else None
         if got is None:
-            got = self.client.states(ref.sample_id, ids)
+            prefix = ids if ref.start == 0 else load_sample(ref, ("input_ids",))["input_ids"][:end].tolist()
+            aux, last = self.client.states(ref.sample_id, prefix)
+            got = (aux[ref.start :], last[ref.start :])
             if self.cache:
-                self.cache.put(ref.sample_id, ids, *got)
+                self.cache.put(key, ids, *got)
         return {**tokens, "aux_hidden_states": got[0], "last_hidden_state": got[1]}
 
     def batches(self, batches: list[list[SampleRef]], label: str) -> OnlineBatches:

@@ -108,7 +108,7 @@ class Plan:
 
 def epoch_plan(cfg: TrainConfig, refs: list[SampleRef], dist: Dist, epoch: int) -> EpochPlan:
     """One epoch's shuffle packed, dealt over the ranks and grad_accum (epochs.py)."""
-    batches = micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch)
+    batches = micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch, cfg.batching)
     return EpochPlan(epoch, batches, dist.world, dist.rank, cfg.grad_accum)
 
 

@@ -1,0 +1,101 @@
+"""Long samples train whole, in windows at their true positions, and micro-batches mix lengths within the
+token budget: every window once an epoch, the same batches for the same seed (length_mix.py)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from conftest import run_script, script, shard_of
+
+from eagle3_pipeline.data.length_mix import windows
+from eagle3_pipeline.data.packing import micro_batches, pack, window_of
+from eagle3_pipeline.data.shards import SampleRef
+
+MAX_SEQ_LEN, BATCH_TOKENS = 1024, 2048
+LONG = {"long-a": 2500, "long-b": 5000, "long-c": 1025}  # over max_seq_len: 3, 5 and 2 windows
+
+
+def _refs() -> list[SampleRef]:
+    g = torch.Generator().manual_seed(1)
+    short = [SampleRef("s", "p", i, f"short-{i}", int(n)) for i, n in enumerate(torch.randint(20, 600, (120,),
+                                                                                             generator=g))]
+    return short + [SampleRef("s", "p", 200 + i, k, n) for i, (k, n) in enumerate(LONG.items())]
+
+
+def _slots(batches: list[list[SampleRef]]) -> dict[str, list[int]]:
+    """Per sample id, the shifted slots (packing.pack: slot t learns token t+1) its windows train."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for batch in batches:
+        for r in batch:
+            n = min(r.num_tokens, MAX_SEQ_LEN)
+            out[r.sample_id] += range(r.start, r.start + n - 1)
+    return out
+
+
+def test_every_long_sample_trains_all_its_slots_once_an_epoch_in_batches_within_the_budget():
+    refs = _refs()
+    for epoch in (0, 1):
+        batches = micro_batches(refs, BATCH_TOKENS, MAX_SEQ_LEN, seed=0, epoch=epoch, batching="mix")
+        slots = _slots(batches)
+        # every sample, long or short, exactly its num_tokens - 1 slots, each once (old: a long one's first
+        # max_seq_len - 1 only)
+        assert {r.sample_id: sorted(slots[r.sample_id]) for r in refs} == {
+            r.sample_id: list(range(r.num_tokens - 1)) for r in refs
+        }
+        assert all(sum(r.num_tokens for r in b) <= BATCH_TOKENS for b in batches)
+        assert all(r.num_tokens <= MAX_SEQ_LEN for b in batches for r in b)
+        # long windows are spread over the epoch, not left to its end
+        where = [i for i, b in enumerate(batches) if any(r.sample_id.startswith("long") for r in b)]
+        assert where[0] < len(batches) // 2
+    shuffled = micro_batches(refs, BATCH_TOKENS, MAX_SEQ_LEN, seed=0, epoch=0)
+    assert sorted(map(sorted, _slots(shuffled).values())) == sorted(map(sorted, slots.values()))
+    assert len(batches) < len(shuffled)  # best fit leaves less of the budget empty than greedy in order
+
+
+def test_the_same_seed_and_epoch_give_the_same_batches_and_another_seed_others():
+    refs = _refs()
+
+    def order(seed: int, epoch: int) -> list[list[tuple[str, int]]]:
+        batches = micro_batches(refs, BATCH_TOKENS, MAX_SEQ_LEN, seed, epoch, batching="mix")
+        return [[(r.sample_id, r.start) for r in b] for b in batches]
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(1, 0) and order(0, 0) != order(0, 1)
+
+
+def test_a_samples_windows_pack_to_exactly_its_own_slots_at_its_true_positions():
+    n, h = 25, 3
+    g = torch.Generator().manual_seed(0)
+    sample = {"input_ids": torch.arange(n), "loss_mask": (torch.rand(n, generator=g) > 0.3).long(),
+              "aux_hidden_states": torch.randn(n, 2, h, generator=g),
+              "last_hidden_state": torch.randn(n, h, generator=g)}  # fmt: skip
+    ref = SampleRef("s", "p", 0, "x", n)
+    parts = windows(ref, 8)
+    assert [(w.start, w.num_tokens) for w in parts] == [(0, 8), (7, 8), (14, 8), (21, 4)]
+    whole = pack([sample], max_seq_len=10**9)
+    cut = [pack([window_of(sample, w)], max_seq_len=8) for w in parts]
+    for key in ("hidden_states", "input_ids", "verifier_last", "loss_mask", "position_ids"):
+        assert torch.equal(torch.cat([c[key] for c in cut], dim=1), whole[key]), key
+
+
+EPOCH = re.compile(r"train \| epoch 0 \| samples (\d+), each once \| positions (\d+) .*\+(\d+) windows")
+
+
+def test_training_with_max_seq_len_below_the_samples_trains_every_position_in_windows(tiny_run, tmp_path):
+    from eagle3_pipeline.data.shards import open_shards
+    from eagle3_pipeline.data.split import load_split
+
+    shard = shard_of(tiny_run / "hidden_states")
+    train, _ = load_split(tiny_run / "split", open_shards([str(shard)]).samples)
+    assert max(r.num_tokens for r in train) > 96
+    proc = run_script(script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir",
+                      str(tmp_path / "t"), "--max-seq-len", "96", "--batch-tokens", "1024", "--batching", "mix",
+                      "--epochs", "1", "--val-max-samples", "1", "--ttt-steps", "1", "--eval-every", "100",
+                      "--save-every", "100", cwd=tiny_run)  # fmt: skip
+    got = EPOCH.search(proc.stderr)
+    assert got, proc.stderr[-3000:]
+    samples, positions, extra = map(int, got.groups())
+    assert samples == len(train) and positions == sum(r.num_tokens - 1 for r in train)
+    assert extra == sum(len(windows(r, 96)) - 1 for r in train)
