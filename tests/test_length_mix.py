@@ -99,3 +99,33 @@ def test_training_with_max_seq_len_below_the_samples_trains_every_position_in_wi
     samples, positions, extra = map(int, got.groups())
     assert samples == len(train) and positions == sum(r.num_tokens - 1 for r in train)
     assert extra == sum(len(windows(r, 96)) - 1 for r in train)
+
+
+class CausalServer:
+    """Online states as a causal verifier gives them: position t's depend on ids[: t + 1] only."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def states(self, sample_id: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.asked.append(len(ids))
+        x = torch.tensor(ids, dtype=torch.float64).cumsum(0)
+        return x[:, None, None].repeat(1, 3, 4), x[:, None].repeat(1, 4)
+
+
+def test_online_windows_get_the_rows_of_the_forward_over_their_whole_prefix(tiny_run):
+    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.data.shards import load_sample, open_shards
+    from eagle3_pipeline.training.online import TOKEN_KEYS, OnlineSource
+
+    ref = max(open_shards([str(shard_of(tiny_run / "hidden_states"))]).samples, key=lambda r: r.num_tokens)
+    source = OnlineSource.__new__(OnlineSource)  # its client and cache, without servers to reach
+    source.cfg, source.client, source.cache = TrainConfig(max_seq_len=32), CausalServer(), None
+    tokens = load_sample(ref, TOKEN_KEYS)
+    aux, last = CausalServer().states(ref.sample_id, tokens["input_ids"].tolist())
+    whole = pack([{**tokens, "aux_hidden_states": aux, "last_hidden_state": last}], max_seq_len=10**9)
+    parts = windows(ref, 32)
+    cut = [pack([source.sample(w)], max_seq_len=32) for w in parts]
+    for key in ("hidden_states", "input_ids", "verifier_last", "loss_mask", "position_ids"):
+        assert torch.equal(torch.cat([c[key] for c in cut], dim=1), whole[key]), key
+    assert source.client.asked == [w.start + w.num_tokens for w in parts]  # each window's whole prefix
