@@ -91,9 +91,9 @@ def test_training_with_max_seq_len_below_the_samples_trains_every_position_in_wi
     train, _ = load_split(tiny_run / "split", open_shards([str(shard)]).samples)
     assert max(r.num_tokens for r in train) > 96
     proc = run_script(script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir",
-                      str(tmp_path / "t"), "--max-seq-len", "96", "--batch-tokens", "1024", "--batching", "mix",
-                      "--epochs", "1", "--val-max-samples", "1", "--ttt-steps", "1", "--eval-every", "100",
-                      "--save-every", "100", cwd=tiny_run)  # fmt: skip
+                      str(tmp_path / "t"), "--max-seq-len", "96", "--batch-tokens", "1024", "--batching",
+                      "mix", "--epochs", "1", "--val-max-samples", "1", "--ttt-steps", "1", "--eval-every",
+                      "100", "--save-every", "100", cwd=tiny_run)  # fmt: skip
     got = EPOCH.search(proc.stderr)
     assert got, proc.stderr[-3000:]
     samples, positions, extra = map(int, got.groups())

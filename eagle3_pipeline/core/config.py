@@ -44,7 +44,6 @@ TRAIN_DTYPES = ("auto", "bfloat16", "float32")  # train._autocast_dtype
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REGENERATE_ENGINES = ("auto", "vllm", "hf")
 EXTRACT_ENGINES = ("hf", "vllm")
-BATCHINGS = ("shuffle", "mix")  # packing.micro_batches
 STATE_SOURCES = ("shards", "online")  # [train] states (online.py)
 TRANSFERS = ("file", "fp8", "mooncake")  # hs_connectors 0.9's backends (transfer.py's registry)
 EVALUATE_ENGINES = ("sim", "vllm", "both")
@@ -531,16 +530,10 @@ class TrainConfig(Settings):
     weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
     grad_clip: float = _f(0.5, "Clip the global gradient norm to this value.", gt=0)
     # >= 2: slot t learns token t+1 (packing.py), so a sample cut to one token trains nothing
-    max_seq_len: int = _f(
-        4096, "Longer samples train in windows of this many tokens, each once an epoch (length_mix.py).", ge=2
-    )
-    batch_tokens: int = _f(
-        8192, "Tokens packed into one micro-batch (a window alone may reach max_seq_len).", ge=1
-    )
-    batching: str = _f(
-        "shuffle", "shuffle: packed in shuffled order; mix: best fit by length, fuller micro-batches, long "
-        "windows spread over the epoch (length_mix.py).", choices=BATCHINGS
-    )
+    max_seq_len: int = _f(4096, "Longer samples train in windows of this length (length_mix.py).", ge=2)
+    batch_tokens: int = _f(8192, "Tokens per micro-batch (a window alone may reach max_seq_len).", ge=1)
+    batching: str = _f("shuffle", "shuffle: pack in shuffled order; mix: best fit by length (length_mix.py).",
+                       choices=("shuffle", "mix"))  # fmt: skip
     grad_accum: int = _f(1, "Micro-batches per optimizer step.", ge=1)
     ttt_steps: int = _f(
         3,
