@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.training import checkpoint
-from eagle3_pipeline.sizing import colocation, kv_cache, speedup
+from eagle3_pipeline.sizing import colocation, kv_cache, long_sample, speedup
 from eagle3_pipeline.data import packing, state_dtype
 from eagle3_pipeline.core import schedule, storage
 from eagle3_pipeline.training import kernel_policy as kernels
@@ -123,18 +123,10 @@ def memory_per_gpu(
         q = spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)  # expanded from it
         cached = spec.kv_lora_rank + q + spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim)
     Vd = spec.draft_vocab_size
-    trainable = draft["trainable_parameters"]
     once = T * (n_aux * H * 4 + H * 4 + n_aux * H * b + H * b + Vd * 4)
     per_step = T * (b * (8 * H + 2 * q + 4 * inter + Vd) + 4 * Vd)
     kv_cache = sum(T * (s + 1) * cached * b for s in range(S))
-    parts = {
-        "weights": draft["total_parameters"] * 4 + draft["buffer_bytes"],
-        "gradients": trainable * 4,
-        "ddp_buckets": trainable * 4 if gpus > 1 else 0,
-        "adamw_states": 2 * trainable * 4,
-        "autocast_weight_copies": draft["matmul_parameters"] * 2 if b == 2 else 0,
-        "activations": once + S * per_step + kv_cache,
-    }
+    parts = {**long_sample.state_bytes(draft, gpus, b), "activations": once + S * per_step + kv_cache}
     chosen = kernels.attention_impl(cfg.attn_impl, cuda)
     heads = spec.num_attention_heads
     impls = {
@@ -271,6 +263,12 @@ def build(
         else None
     )
     memory = memory_per_gpu(spec, draft, train, opts.plan_gpus)
+    drafts = {spec.draft_arch: (spec, draft)}
+    other = _other_arch(train, {**text, **verifier}, draft_vocab_size, aux)
+    if other is not None:
+        drafts[other.draft_arch] = (other, draft_report(other, train.train_lm_head))
+    long = long_sample.report(drafts, train.ttt_steps, 4 if train.dtype == "float32" else 2, opts.plan_gpus,
+                              per_token.get(storage_name) or per_token["bfloat16"], train.prefetch_batches)
     kv = kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus)
     online = colocation.report(
         weight_bytes(verifier_path), kv["tensor_parallel_size"], int(memory["total"]),
@@ -303,6 +301,7 @@ def build(
         "memory_per_gpu": memory,
         "kv_cache": kv,
         "colocation": online,
+        "long_sample": long,
         "speedup": serving_speedup(text, spec, draft, kv, serve_k, opts),
         "checkpoints_disk": checkpoint.checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
@@ -310,6 +309,21 @@ def build(
         "tokens_per_second": opts.plan_tokens_per_second,
         "seconds": seconds,
     }
+
+
+def _other_arch(train: TrainConfig, verifier: dict[str, Any], draft_vocab: int, aux: list[int]
+                ) -> DraftSpec | None:  # fmt: skip
+    """The draft of the other draft_arch at the same settings, for the long-sample lines (llama: with
+    the input norm, as the public Kimi drafts; mla: without, vLLM has none); None for a parallel draft
+    or a verifier without MLA dims."""
+    if train.parallel_drafting:
+        return None
+    arch = "llama" if train.draft_arch == "mla" else "mla"
+    try:
+        other = dataclasses.replace(train, draft_arch=arch, norm_before_fc=arch == "llama" and not train.fc_norm)
+        return spec_for_training(other, verifier, draft_vocab, aux)
+    except (UserError, KeyError, TypeError, ValueError):
+        return None
 
 
 def serving_speedup(
@@ -385,6 +399,7 @@ def render(p: dict[str, Any]) -> str:
         f"{_gb(m['attention_mask_by_impl']['sdpa'])}), with flex {_gb(by['flex'])} (attention "
         f"{_gb(m['attention_mask_by_impl']['flex'])})"
     )
+    lines.extend(long_sample.render_lines(p["long_sample"]))
     lines.extend(kv_cache.render_lines(p["kv_cache"]))
     lines.extend(colocation.render_lines(p["colocation"]))
     if "missing" in p["speedup"]:
