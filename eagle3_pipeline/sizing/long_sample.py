@@ -32,6 +32,7 @@ from eagle3_pipeline.models.linear_memory import ATTN_CHUNK, LOSS_CHUNK
 from eagle3_pipeline.sizing.gpus import GPUS
 
 LENGTHS = (32_768, 131_072, 262_144)  # the sample lengths --plan sizes
+MAX_SP = 64  # sequence-parallel ranks searched: eight 8-GPU nodes per sample
 RESERVE_BYTES = 8 * 10**9  # kept free per GPU: CUDA context, NCCL buffers, allocator fragmentation
 # [chunk, draft vocab] tensors alive at the eager kl_div's last op (logits and teacher logits in the
 # compute dtype; log-softmax, softmax, and kl_div's two products in fp32)
@@ -126,10 +127,10 @@ def step_peak(spec: DraftSpec, draft: dict[str, Any], length: int, ttt_steps: in
 def sequence_parallel(spec: DraftSpec, draft: dict[str, Any], length: int, ttt_steps: int,
                       compute_bytes: int, memory_bytes: int, gpus: int = 8, reserve: int = RESERVE_BYTES
                       ) -> int | None:  # fmt: skip
-    """The fewest sequence-parallel ranks (1 .. gpus) whose per-rank peak fits `memory_bytes` minus
-    `reserve`; None when even `gpus` ranks do not (what stays per rank: the states, step 0's keys of
-    all L positions and the attention's transient scores do not shrink with sp)."""
-    for sp in range(1, gpus + 1):
+    """The fewest sequence-parallel ranks (1 .. MAX_SP) whose per-rank peak fits `memory_bytes` minus
+    `reserve`; None when MAX_SP do not (what does not shrink with sp: the states, step 0's keys of all
+    L positions and the attention's scores over them). `gpus`: GPUs per node (DDP buckets)."""
+    for sp in range(1, MAX_SP + 1):
         peak = step_peak(spec, draft, length, ttt_steps, compute_bytes, sp, gpus)["total"]
         if peak <= memory_bytes - reserve:
             return sp
@@ -163,7 +164,7 @@ def states_held(length: int, bytes_per_token: int, prefetch_batches: int, n_stat
 def report(drafts: dict[str, tuple[DraftSpec, dict[str, Any]]], ttt_steps: int, compute_bytes: int,
            gpus: int, bytes_per_token: int, prefetch_batches: int) -> dict[str, Any]:  # fmt: skip
     """Per draft (name -> spec and draft_report) and sample length in LENGTHS: the peak on one GPU and
-    its parts, the sequence-parallel ranks each GPU kind needs (up to `gpus`), the longest sample one
+    its parts, the sequence-parallel ranks each GPU kind needs (up to MAX_SP), the longest sample one
     GPU of each kind holds; per length the states offline and online."""
     memory = {k: g.memory_bytes for k, g in GPUS.items()}
     out: dict[str, Any] = {"lengths": list(LENGTHS), "ttt_steps": ttt_steps, "gpus": gpus, "drafts": {},
@@ -189,8 +190,8 @@ def report(drafts: dict[str, tuple[DraftSpec, dict[str, Any]]], ttt_steps: int, 
     return out
 
 
-def _sp(n: int | None, gpus: int) -> str:
-    return f"> {gpus}" if n is None else str(n)
+def _sp(n: int | None) -> str:
+    return f"> {MAX_SP}" if n is None else str(n)
 
 
 def render_lines(r: dict[str, Any]) -> list[str]:
@@ -207,10 +208,11 @@ def render_lines(r: dict[str, Any]) -> list[str]:
     for name, d in r["drafts"].items():
         for n, at in d["lengths"].items():
             p = at["one_gpu"]
-            sp = ", ".join(f"{k} {_sp(at['sp'][k], r['gpus'])}" for k in kinds)
+            sp = ", ".join(f"{k} {_sp(at['sp'][k])}" for k in kinds)
             lines.append(
                 f"  {name:<6}{int(n):>8,} tokens: {gb(p['total'])} on one GPU (states "
-                f"{gb(sum(p[k] for k in STATE_PARTS))}, activations {gb(p['activations'])}, keys "
+                f"{gb(sum(p[k] for k in STATE_PARTS))}, inputs {gb(p['inputs'])}, activations "
+                f"{gb(p['activations'])}, keys "
                 f"{gb(p['keys'])}, transient {gb(p['transient'])}) | sp ranks: {sp}"
             )
         longest = ", ".join(f"{k} {v:,}" for k, v in d["largest_length"].items())
@@ -219,6 +221,6 @@ def render_lines(r: dict[str, Any]) -> list[str]:
         f"{int(n):,}: offline {gb(s['offline'])}, online {gb(s['online'])} held"
         for n, s in r["states"].items()
     )
-    lines.append(f"  states per sample ({r['bytes_per_token']:,} B/token stored; online: the batches held "
-                 f"at once, fp32): {states}")  # fmt: skip
+    lines.append(f"  states per sample ({r['bytes_per_token']:,} B/token stored; online: host memory of "
+                 f"the micro-batches held at once, fp32): {states}")  # fmt: skip
     return lines

@@ -7,7 +7,8 @@ data rows, else `--plan-tokens-per-row`. The real runs refuse to start when the 
 the free space (extract._check_free_space, checkpoint.check_space). It also shows what the draft
 costs at serving time: its KV cache per token beside the verifier's, under tensor parallelism and under
 data-parallel attention (kv_cache.py); and whether the trainer fits beside a vLLM server of the verifier
-on the same GPUs, for online states (colocation.py).
+on the same GPUs, for online states (colocation.py); and the peak of one training step on one long
+sample (32k-256k tokens) per GPU with the sequence-parallel ranks it needs (long_sample.py).
 
 Memory per GPU under DDP (every rank holds the whole draft; PyTorch DDP docs) is an estimate from what
 stays alive until backward (activations + mask checked against the tensors autograd saves for a tiny
@@ -222,19 +223,10 @@ def _trained_tokens(train: TrainConfig, total_tokens: float | None, st: dict | N
     return trained * train.epochs
 
 
-def build(
-    verifier_path: Path,
-    aux_layer_ids: list[int] | None,
-    storage_name: str,
-    train: TrainConfig,
-    draft_vocab_size: int,
-    tokens: Tokens,
-    opts: PlanOptions,
-    disk_dir: Path,
-    micro_batches: int | None = None,
-    serve_tp: int | None = None,
-    serve_k: int = 3,
-) -> dict[str, Any]:
+def build(verifier_path: Path, aux_layer_ids: list[int] | None, storage_name: str, train: TrainConfig,
+          draft_vocab_size: int, tokens: Tokens, opts: PlanOptions, disk_dir: Path,
+          micro_batches: int | None = None, serve_tp: int | None = None, serve_k: int = 3
+          ) -> dict[str, Any]:  # fmt: skip
     """The plan; `serve_tp`: the tensor-parallel size vLLM serves with (default --plan-gpus), for the
     KV-cache and speedup lines; `serve_k`: the k it serves with."""
     text = read_text_config(verifier_path)
@@ -263,12 +255,8 @@ def build(
         else None
     )
     memory = memory_per_gpu(spec, draft, train, opts.plan_gpus)
-    drafts = {spec.draft_arch: (spec, draft)}
-    other = _other_arch(train, {**text, **verifier}, draft_vocab_size, aux)
-    if other is not None:
-        drafts[other.draft_arch] = (other, draft_report(other, train.train_lm_head))
-    long = long_sample.report(drafts, train.ttt_steps, 4 if train.dtype == "float32" else 2, opts.plan_gpus,
-                              per_token.get(storage_name) or per_token["bfloat16"], train.prefetch_batches)
+    long = _long_sample(train, {**text, **verifier}, draft_vocab_size, aux, spec, draft, opts.plan_gpus,
+                        per_token.get(storage_name) or per_token["bfloat16"])
     kv = kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus)
     online = colocation.report(
         weight_bytes(verifier_path), kv["tensor_parallel_size"], int(memory["total"]),
@@ -320,10 +308,22 @@ def _other_arch(train: TrainConfig, verifier: dict[str, Any], draft_vocab: int, 
         return None
     arch = "llama" if train.draft_arch == "mla" else "mla"
     try:
-        other = dataclasses.replace(train, draft_arch=arch, norm_before_fc=arch == "llama" and not train.fc_norm)
+        norm = arch == "llama" and not train.fc_norm
+        other = dataclasses.replace(train, draft_arch=arch, norm_before_fc=norm)
         return spec_for_training(other, verifier, draft_vocab, aux)
     except (UserError, KeyError, TypeError, ValueError):
         return None
+
+
+def _long_sample(train: TrainConfig, verifier: dict[str, Any], draft_vocab: int, aux: list[int],
+                 spec: DraftSpec, draft: dict[str, Any], gpus: int, bytes_per_token: int) -> dict[str, Any]:
+    """long_sample.report for this run's draft and the other draft_arch's at the same settings."""
+    drafts = {spec.draft_arch: (spec, draft)}
+    other = _other_arch(train, verifier, draft_vocab, aux)
+    if other is not None:
+        drafts[other.draft_arch] = (other, draft_report(other, train.train_lm_head))
+    compute = 4 if train.dtype == "float32" else 2  # as memory_per_gpu
+    return long_sample.report(drafts, train.ttt_steps, compute, gpus, bytes_per_token, train.prefetch_batches)
 
 
 def serving_speedup(
