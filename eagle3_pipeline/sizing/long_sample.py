@@ -6,8 +6,8 @@ per sample each rank holds a contiguous slice of P = ceil(L / sp) positions and,
   states       weights, gradients, DDP buckets, AdamW and autocast copies, replicated (state_bytes)
   inputs       the packed row's slice: aux and last states as fp32 (packing's .float()), ids, mask
   activations  per TTT step and position what autograd saves in the draft layer, final norm and loss
-               (layer_values: counted per tensor from a saved-tensor census on CPU, fp32 and bf16
-               autocast, tests/test_plan_long.py); the fc's input copy and output once
+               (layer_values: counted per tensor from autograd's saved tensors on CPU, fp32 and bf16
+               autocast, at distinct widths); the fc's input copy and output once
   keys         per TTT step s the keys and values its attention reads, kept for backward: step 0's of
                all L positions (all-gathered) and the rank's own P of each later step, concatenated as
                the TTT cache does (step s reads L + s P keys; sp = 1: (s + 1) L)
