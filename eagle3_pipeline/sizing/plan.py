@@ -7,7 +7,8 @@ data rows, else `--plan-tokens-per-row`. The real runs refuse to start when the 
 the free space (extract._check_free_space, checkpoint.check_space). It also shows what the draft
 costs at serving time: its KV cache per token beside the verifier's, under tensor parallelism and under
 data-parallel attention (kv_cache.py); and whether the trainer fits beside a vLLM server of the verifier
-on the same GPUs, for online states (colocation.py).
+on the same GPUs, for online states (colocation.py); and the peak of one training step on one long
+sample (32k-256k tokens) per GPU with the sequence-parallel ranks it needs (long_sample.py).
 
 Memory per GPU under DDP (every rank holds the whole draft; PyTorch DDP docs) is an estimate from what
 stays alive until backward (activations + mask checked against the tensors autograd saves for a tiny
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.training import checkpoint
-from eagle3_pipeline.sizing import colocation, kv_cache, speedup
+from eagle3_pipeline.sizing import colocation, kv_cache, long_sample, speedup
 from eagle3_pipeline.data import packing, state_dtype
 from eagle3_pipeline.core import schedule, storage
 from eagle3_pipeline.training import kernel_policy as kernels
@@ -123,18 +124,10 @@ def memory_per_gpu(
         q = spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)  # expanded from it
         cached = spec.kv_lora_rank + q + spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim)
     Vd = spec.draft_vocab_size
-    trainable = draft["trainable_parameters"]
     once = T * (n_aux * H * 4 + H * 4 + n_aux * H * b + H * b + Vd * 4)
     per_step = T * (b * (8 * H + 2 * q + 4 * inter + Vd) + 4 * Vd)
     kv_cache = sum(T * (s + 1) * cached * b for s in range(S))
-    parts = {
-        "weights": draft["total_parameters"] * 4 + draft["buffer_bytes"],
-        "gradients": trainable * 4,
-        "ddp_buckets": trainable * 4 if gpus > 1 else 0,
-        "adamw_states": 2 * trainable * 4,
-        "autocast_weight_copies": draft["matmul_parameters"] * 2 if b == 2 else 0,
-        "activations": once + S * per_step + kv_cache,
-    }
+    parts = {**long_sample.state_bytes(draft, gpus, b), "activations": once + S * per_step + kv_cache}
     chosen = kernels.attention_impl(cfg.attn_impl, cuda)
     heads = spec.num_attention_heads
     impls = {
@@ -230,19 +223,10 @@ def _trained_tokens(train: TrainConfig, total_tokens: float | None, st: dict | N
     return trained * train.epochs
 
 
-def build(
-    verifier_path: Path,
-    aux_layer_ids: list[int] | None,
-    storage_name: str,
-    train: TrainConfig,
-    draft_vocab_size: int,
-    tokens: Tokens,
-    opts: PlanOptions,
-    disk_dir: Path,
-    micro_batches: int | None = None,
-    serve_tp: int | None = None,
-    serve_k: int = 3,
-) -> dict[str, Any]:
+def build(verifier_path: Path, aux_layer_ids: list[int] | None, storage_name: str, train: TrainConfig,
+          draft_vocab_size: int, tokens: Tokens, opts: PlanOptions, disk_dir: Path,
+          micro_batches: int | None = None, serve_tp: int | None = None, serve_k: int = 3
+          ) -> dict[str, Any]:  # fmt: skip
     """The plan; `serve_tp`: the tensor-parallel size vLLM serves with (default --plan-gpus), for the
     KV-cache and speedup lines; `serve_k`: the k it serves with."""
     text = read_text_config(verifier_path)
@@ -271,6 +255,8 @@ def build(
         else None
     )
     memory = memory_per_gpu(spec, draft, train, opts.plan_gpus)
+    long = _long_sample(train, {**text, **verifier}, draft_vocab_size, aux, spec, draft, opts.plan_gpus,
+                        per_token.get(storage_name) or per_token["bfloat16"])
     kv = kv_cache.kv_cache_report(spec, text, serve_tp or opts.plan_gpus)
     online = colocation.report(
         weight_bytes(verifier_path), kv["tensor_parallel_size"], int(memory["total"]),
@@ -303,6 +289,7 @@ def build(
         "memory_per_gpu": memory,
         "kv_cache": kv,
         "colocation": online,
+        "long_sample": long,
         "speedup": serving_speedup(text, spec, draft, kv, serve_k, opts),
         "checkpoints_disk": checkpoint.checkpoints_disk(draft["trainable_parameters"], train.keep_last),
         "steps": st,
@@ -310,6 +297,33 @@ def build(
         "tokens_per_second": opts.plan_tokens_per_second,
         "seconds": seconds,
     }
+
+
+def _other_arch(train: TrainConfig, verifier: dict[str, Any], draft_vocab: int, aux: list[int]
+                ) -> DraftSpec | None:  # fmt: skip
+    """The draft of the other draft_arch at the same settings, for the long-sample lines (llama: with
+    the input norm, as the public Kimi drafts; mla: without, vLLM has none); None for a parallel draft
+    or a verifier without MLA dims."""
+    if train.parallel_drafting:
+        return None
+    arch = "llama" if train.draft_arch == "mla" else "mla"
+    try:
+        norm = arch == "llama" and not train.fc_norm
+        other = dataclasses.replace(train, draft_arch=arch, norm_before_fc=norm)
+        return spec_for_training(other, verifier, draft_vocab, aux)
+    except (UserError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _long_sample(train: TrainConfig, verifier: dict[str, Any], draft_vocab: int, aux: list[int],
+                 spec: DraftSpec, draft: dict[str, Any], gpus: int, bytes_per_token: int) -> dict[str, Any]:
+    """long_sample.report for this run's draft and the other draft_arch's at the same settings."""
+    drafts = {spec.draft_arch: (spec, draft)}
+    other = _other_arch(train, verifier, draft_vocab, aux)
+    if other is not None:
+        drafts[other.draft_arch] = (other, draft_report(other, train.train_lm_head))
+    compute = 4 if train.dtype == "float32" else 2  # as memory_per_gpu
+    return long_sample.report(drafts, train.ttt_steps, compute, gpus, bytes_per_token, train.prefetch_batches)
 
 
 def serving_speedup(
@@ -385,6 +399,7 @@ def render(p: dict[str, Any]) -> str:
         f"{_gb(m['attention_mask_by_impl']['sdpa'])}), with flex {_gb(by['flex'])} (attention "
         f"{_gb(m['attention_mask_by_impl']['flex'])})"
     )
+    lines.extend(long_sample.render_lines(p["long_sample"]))
     lines.extend(kv_cache.render_lines(p["kv_cache"]))
     lines.extend(colocation.render_lines(p["colocation"]))
     if "missing" in p["speedup"]:
