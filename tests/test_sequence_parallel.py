@@ -94,6 +94,27 @@ def test_2_and_3_ranks_sharing_a_row_train_one_process_loss_metrics_and_gradient
         assert max(diffs["loss"], diffs["metrics"], diffs["grads"]) <= 1e-5, (run, diffs)
 
 
+def test_stage_04_with_sequence_parallel_2_on_2_ranks_logs_one_process_losses(tiny_run, tmp_path):
+    """04_train.py under torchrun, --sequence-parallel 2 (both ranks train each row, rank 0 alone writes):
+    the losses and gradient norms of one process with the same settings, steps 1 and 2."""
+    from conftest import read_jsonl, run_script, script
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--max-steps", "2",
+            "--log-every", "1", "--val-max-samples", "1", "--attn-impl", "blockwise", "--loss-impl", "chunked"]
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", *args, "--out-dir",
+                           str(tmp_path / "sp"), "--sequence-parallel", "2"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(*args, "--out-dir", str(tmp_path / "one"))
+    sp, one = read_jsonl(tmp_path / "sp" / "train_log.jsonl"), read_jsonl(tmp_path / "one" / "train_log.jsonl")
+    assert [e["step"] for e in sp] == [e["step"] for e in one] == [1, 2]
+    for a, b in zip(sp, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["loss"] > 0.1, (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+    assert "[rank 1] step" not in proc.stderr and "ranks 2 x" in proc.stderr
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
