@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ def test_the_slices_tile_the_row_and_carry_the_next_steps_tokens_and_targets():
             a = r * n
             assert torch.equal(p["document_ids"][0, length:], torch.full((n * sp - length,), -1))
             ids = p["input_ids"][0]
-            want = torch.cat([row["input_ids"][0], torch.zeros(n * sp, dtype=torch.long)])[a : a + n + TTT - 1]
+            ids_past = torch.cat([row["input_ids"][0], torch.zeros(n * sp, dtype=torch.long)])
+            want = ids_past[a : a + n + TTT - 1]
             assert ids.shape[0] == min(n + TTT - 1, n * sp - a) and torch.equal(ids, want[: ids.shape[0]])
             end = min(a + n + TTT - 1, length)
             assert torch.equal(p["verifier_last"], row["verifier_last"][:, a:end])
@@ -65,7 +67,7 @@ def test_the_slices_tile_the_row_and_carry_the_next_steps_tokens_and_targets():
 @pytest.mark.parametrize(
     "sp,world,cfg,says",
     [(2, 3, {}, "--sequence-parallel 2: it must divide the number of ranks (3"),
-     (2, 2, {"attn_impl": "sdpa"}, "set --attn-impl blockwise and --loss-impl chunked (now sdpa and chunked)"),
+     (2, 2, {"attn_impl": "sdpa"}, "--attn-impl blockwise and --loss-impl chunked (now sdpa and chunked)"),
      (2, 2, {"loss_impl": "eager"}, "(now blockwise and eager)"),
      (2, 2, {"states": "online"}, 'train from shards (states = "shards")'),
      (2, 2, {"parallel_drafting": True}, "a parallel draft (parallel_drafting) trains on one rank per row")],
@@ -96,23 +98,31 @@ def test_2_and_3_ranks_sharing_a_row_train_one_process_loss_metrics_and_gradient
 
 def test_stage_04_with_sequence_parallel_2_on_2_ranks_logs_one_process_losses(tiny_run, tmp_path):
     """04_train.py under torchrun, --sequence-parallel 2 (both ranks train each row, rank 0 alone writes):
-    the losses and gradient norms of one process with the same settings, steps 1 and 2."""
+    the losses and gradient norms of one process with the same settings, steps 1 and 2, its validation,
+    and the epoch's sample count (each sample once, counted once per group)."""
     from conftest import read_jsonl, run_script, script
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     args = [script("04_train.py"), "--config", str(tiny_run / "tiny.toml"), "--max-steps", "2",
-            "--log-every", "1", "--val-max-samples", "1", "--attn-impl", "blockwise", "--loss-impl", "chunked"]
+            "--log-every", "1", "--val-max-samples", "1", "--attn-impl", "blockwise",
+            "--loss-impl", "chunked"]  # fmt: skip
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", *args, "--out-dir",
                            str(tmp_path / "sp"), "--sequence-parallel", "2"],
                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_script(*args, "--out-dir", str(tmp_path / "one"))
-    sp, one = read_jsonl(tmp_path / "sp" / "train_log.jsonl"), read_jsonl(tmp_path / "one" / "train_log.jsonl")
+    single = run_script(*args, "--out-dir", str(tmp_path / "one"))
+    sp, one = (read_jsonl(tmp_path / name / "train_log.jsonl") for name in ("sp", "one"))
     assert [e["step"] for e in sp] == [e["step"] for e in one] == [1, 2]
     for a, b in zip(sp, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["loss"] > 0.1, (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
     assert "[rank 1] step" not in proc.stderr and "ranks 2 x" in proc.stderr
+    val = [[float(x) for x in re.findall(r"val step 2 \| loss (\S+) \| acc0 (\S+)", p.stderr)[0]]
+           for p in (proc, single)]  # fmt: skip
+    assert val[0] == pytest.approx(val[1], rel=1e-4), val  # validation on both ranks' slices too
+    counted = r"epoch 0 \| samples \d+, each once \| positions \d+"
+    epoch = [re.findall(counted, p.stderr) for p in (proc, single)]
+    assert epoch[0] == epoch[1] and len(epoch[0]) == 1, epoch
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

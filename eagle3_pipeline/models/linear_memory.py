@@ -18,6 +18,7 @@ swap one at a time; kernel_policy.py picks them):
   recomputes one chunk's [chunk, draft vocab] logits at a time instead of keeping them for every
   position. The losses are speculators' eager ones (any loss_config of per-position functions, the
   served-distribution wrappers of train_metrics.Recipe included), reduced as its loss_function does.
+Both take one rank's slice of a row too (`RowShard`: sequence parallelism, training/sequence_parallel.py).
 """
 
 from __future__ import annotations
