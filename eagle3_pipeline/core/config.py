@@ -578,6 +578,9 @@ class TrainConfig(Settings):
     num_workers: int = _f(0, "DataLoader worker processes (0: load in the training process).", ge=0)
     dist_timeout_s: float = _f(1800.0, "Under torchrun: seconds a rank waits for the others at a collective "
                                "(longer than a checkpoint save); a dead rank is seen at once.", gt=0)
+    sequence_parallel: int = _f(1, "Under torchrun: ranks that train one packed row together, each a slice "
+                                "of its positions (rows longer than one GPU holds; needs blockwise and "
+                                "chunked; training/sequence_parallel.py).", ge=1)
     seed: int = _f(0, "Seed for initialisation, data order and split.", **SEED)
     dtype: str = _f(
         "auto", "auto (bfloat16 autocast on CUDA, float32 on CPU), bfloat16, float32.", choices=TRAIN_DTYPES

@@ -77,6 +77,11 @@ class Trackers:
         self.sinks = []
 
 
+def prefixed(group: str, metrics: dict[str, float]) -> dict[str, float]:
+    """Tracker keys such as train/loss, val/acc_0: one panel group per source."""
+    return {f"{group}/{k}": float(v) for k, v in metrics.items()}
+
+
 def open_trackers(
     names: list[str], out_dir: Path, config: dict[str, Any], resume_step: int, rank: int
 ) -> Trackers:

@@ -18,13 +18,14 @@ swap one at a time; kernel_policy.py picks them):
   recomputes one chunk's [chunk, draft vocab] logits at a time instead of keeping them for every
   position. The losses are speculators' eager ones (any loss_config of per-position functions, the
   served-distribution wrappers of train_metrics.Recipe included), reduced as its loss_function does.
+Both take one rank's slice of a row too (`RowShard`: sequence parallelism, training/sequence_parallel.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -40,24 +41,31 @@ LOSS_REDUCTION_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS (losses/utils.py l
 @dataclass(frozen=True)
 class DocumentMask:
     """The TTT attention mask of a packed row, kept as its document ids [L] (no [L, L] tensor):
-    `first[i]` is the first position of position i's document (-1 padding counts as one document)."""
+    `first[i]` is the first position of position i's document (-1 padding counts as one document).
+    The queries are the row's positions start..stop-1 (the whole row, or one rank's slice under sequence
+    parallelism); `step0_keys` turns the queries' own step-0 keys into the row's (the identity, or an
+    all-gather over the ranks: training/sequence_parallel.py)."""
 
     doc: torch.Tensor
     first: torch.Tensor
+    start: int = 0
+    stop: int | None = None
+    step0_keys: Callable[[Any, torch.Tensor, torch.Tensor, int], tuple] | None = None
 
     @classmethod
-    def of(cls, document_ids: torch.Tensor) -> DocumentMask:
+    def of(cls, document_ids: torch.Tensor, start: int = 0, stop: int | None = None,
+           step0_keys: Callable | None = None) -> DocumentMask:  # fmt: skip
         doc = document_ids.reshape(-1)
         _, inverse = torch.unique(doc, return_inverse=True)
         idx = torch.arange(doc.numel(), device=doc.device)
         first = torch.full((int(inverse.max()) + 1,), doc.numel(), dtype=idx.dtype, device=doc.device)
         first = first.scatter_reduce(0, inverse, idx, "amin")
-        return cls(doc, first[inverse])
+        return cls(doc, first[inverse], start, stop, step0_keys)
 
     def chunks(self, chunk: int) -> list[tuple[int, int, int]]:
         """(start, end, first key) per query chunk: no key before `first key` shares a document with it."""
-        n = self.doc.numel()
-        starts = list(range(0, n, chunk))
+        n = self.doc.numel() if self.stop is None else self.stop
+        starts = list(range(self.start, n, chunk))
         lows = [int(self.first[a : a + chunk].min()) for a in starts]
         return [(a, min(a + chunk, n), lo) for a, lo in zip(starts, lows)]
 
@@ -72,9 +80,12 @@ class DocumentMask:
         return torch.cat([base, *[diag] * (steps - 1)], dim=1)
 
 
-def _chunk_keys(x: torch.Tensor, a: int, b: int, lo: int, n: int, steps: int) -> list[torch.Tensor]:
-    """x's [.., keys, ..] slices a chunk reads: step 0's lo..b-1, then a..b-1 of each later step."""
-    return [x[:, :, lo:b]] + [x[:, :, s * n + a : s * n + b] for s in range(1, steps)]
+def _chunk_keys(x0: torch.Tensor, rest: torch.Tensor, a: int, b: int, lo: int, start: int,
+                n: int) -> list[torch.Tensor]:  # fmt: skip
+    """The [.., keys, ..] slices a chunk of queries a..b-1 reads: step 0's keys lo..b-1 of the row (x0),
+    then queries a..b-1 in each later step's n keys (rest, whose position 0 is the row's `start`)."""
+    i, j = a - start, b - start
+    return [x0[:, :, lo:b]] + [rest[:, :, s * n + i : s * n + j] for s in range(rest.shape[2] // n)]
 
 
 def _chunk_attention(q: torch.Tensor, ks: list, vs: list, mask: torch.Tensor, scale: Any) -> torch.Tensor:
@@ -83,39 +94,44 @@ def _chunk_attention(q: torch.Tensor, ks: list, vs: list, mask: torch.Tensor, sc
 
 
 class _BlockwiseTTTAttention(torch.autograd.Function):
-    """softmax(q k^T * scale + TTT mask) v, one query chunk at a time; backward recomputes each chunk."""
+    """softmax(q k^T * scale + TTT mask) v, one query chunk at a time; backward recomputes each chunk.
+    k0 / v0: step 0's keys and values of the whole row; kr / vr: the later steps' of the queries."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
-                scale: Any, chunk: int) -> torch.Tensor:  # fmt: skip
-        n = q.shape[2]
-        steps = k.shape[2] // n
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    def forward(ctx: Any, q: torch.Tensor, k0: torch.Tensor, kr: torch.Tensor, v0: torch.Tensor,
+                vr: torch.Tensor, mask: DocumentMask, scale: Any, chunk: int) -> torch.Tensor:  # fmt: skip
+        n, start = q.shape[2], mask.start
+        steps = 1 + kr.shape[2] // n
+        out = q.new_empty(*q.shape[:-1], v0.shape[-1])
         for a, b, lo in mask.chunks(chunk):
-            ks, vs = _chunk_keys(k, a, b, lo, n, steps), _chunk_keys(v, a, b, lo, n, steps)
-            out[:, :, a:b] = _chunk_attention(q[:, :, a:b], ks, vs, mask.chunk_mask(a, b, lo, steps), scale)
-        ctx.save_for_backward(q, k, v)
+            ks, vs = _chunk_keys(k0, kr, a, b, lo, start, n), _chunk_keys(v0, vr, a, b, lo, start, n)
+            out[:, :, a - start : b - start] = _chunk_attention(
+                q[:, :, a - start : b - start], ks, vs, mask.chunk_mask(a, b, lo, steps), scale
+            )
+        ctx.save_for_backward(q, k0, kr, v0, vr)
         ctx.mask, ctx.scale, ctx.chunk = mask, scale, chunk
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        q, k, v = ctx.saved_tensors
-        n = q.shape[2]
-        steps = k.shape[2] // n
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        q, k0, kr, v0, vr = ctx.saved_tensors
+        n, start = q.shape[2], ctx.mask.start
+        steps = 1 + kr.shape[2] // n
+        grads_in = [torch.zeros_like(t) for t in (q, k0, kr, v0, vr)]
+        dq, dk0, dkr, dv0, dvr = grads_in
         for a, b, lo in ctx.mask.chunks(ctx.chunk):
+            i, j = a - start, b - start
             with torch.enable_grad():
-                qc = q[:, :, a:b].detach().requires_grad_()
-                ks = [t.detach().requires_grad_() for t in _chunk_keys(k, a, b, lo, n, steps)]
-                vs = [t.detach().requires_grad_() for t in _chunk_keys(v, a, b, lo, n, steps)]
+                qc = q[:, :, i:j].detach().requires_grad_()
+                ks = [t.detach().requires_grad_() for t in _chunk_keys(k0, kr, a, b, lo, start, n)]
+                vs = [t.detach().requires_grad_() for t in _chunk_keys(v0, vr, a, b, lo, start, n)]
                 out = _chunk_attention(qc, ks, vs, ctx.mask.chunk_mask(a, b, lo, steps), ctx.scale)
-                grads = torch.autograd.grad(out, [qc, *ks, *vs], grad_out[:, :, a:b])
-            dq[:, :, a:b] = grads[0]
-            for target, parts in ((dk, grads[1 : 1 + steps]), (dv, grads[1 + steps :])):
-                for dst, g in zip(_chunk_keys(target, a, b, lo, n, steps), parts):
+                grads = torch.autograd.grad(out, [qc, *ks, *vs], grad_out[:, :, i:j])
+            dq[:, :, i:j] = grads[0]
+            for (t0, tr), parts in (((dk0, dkr), grads[1 : 1 + steps]), ((dv0, dvr), grads[1 + steps :])):
+                for dst, g in zip(_chunk_keys(t0, tr, a, b, lo, start, n), parts):
                     dst += g
-        return dq, dk, dv, None, None, None
+        return dq, dk0, dkr, dv0, dvr, None, None, None
 
 
 def blockwise_attention(
@@ -139,8 +155,14 @@ def blockwise_attention(
     if query.shape[0] != 1 or key.shape[2] % query.shape[2]:
         raise ValueError(f"blockwise attention takes one packed row, got q {query.shape}, k {key.shape}")
     groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # as sdpa does under a mask on CPU
-    out = _BlockwiseTTTAttention.apply(query, key, value, attention_mask, scaling, ATTN_CHUNK)
+    n = query.shape[2]
+    if attention_mask.step0_keys is None:
+        k0, v0 = repeat_kv(key[:, :, :n], groups), repeat_kv(value[:, :, :n], groups)
+    else:
+        k0, v0 = attention_mask.step0_keys(module, key[:, :, :n], value[:, :, :n], groups)
+    # as sdpa does under a mask on CPU: the key/value heads repeated for the query heads
+    kr, vr = repeat_kv(key[:, :, n:], groups), repeat_kv(value[:, :, n:], groups)
+    out = _BlockwiseTTTAttention.apply(query, k0, kr, v0, vr, attention_mask, scaling, ATTN_CHUNK)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -178,40 +200,45 @@ def chunked_step_loss(
     gamma: float,
     loss_config: dict[str, Any],
     chunk: int = LOSS_CHUNK,
+    total: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """speculators' compute_metrics for TTT step `step` (loss and metrics, prev_correct updated in place)
-    from the head's input [1, L, H] and the verifier's last states, never holding [L, draft vocab]."""
+    from the head's input [1, n, H] and the verifier's last states, never holding [L, draft vocab].
+    verifier_last and loss_mask run `step` positions ahead of head_in (align_for_step: logits i against
+    targets i + step) and end where the row does; `total` sums the mask's count over the ranks that share
+    the row (sequence parallelism), so each rank's loss is its share of the row's."""
     from speculators.models.metrics import compute_accuracy_single_step
 
-    n = head_in.shape[1] - step  # align_for_step: logits 0..n-1 against targets step..L-1
-    x, last, mask = head_in[:, :n], verifier_last[:, step:], loss_mask[:, step:]
+    n = max(0, min(head_in.shape[1], verifier_last.shape[1] - step))
+    x, last, mask = head_in[:, :n], verifier_last[:, step : step + n], loss_mask[:, step : step + n]
     correct = prev_correct[:, :n]
     run = partial(_chunk_losses, model, loss_config, gamma, step)
     parts, preds, target_ids = [], [], []
-    for a in range(0, n, chunk):
+    for a in range(0, max(n, 1), chunk):  # no position left: one empty chunk, the head still in the graph
         sums, pred, tid = checkpoint(run, x[:, a : a + chunk], last[:, a : a + chunk], mask[:, a : a + chunk],
                                      use_reentrant=False)  # fmt: skip
         parts.append(sums)
         preds.append(pred)
         target_ids.append(tid)
     term_sums = torch.stack(parts).sum(0)  # [terms, 1]
-    denominator = mask.to(term_sums.dtype).sum(dim=1) + LOSS_REDUCTION_EPS
-    total = torch.tensor(0.0, device=head_in.device, dtype=torch.float32)
+    count = mask.to(term_sums.dtype).sum(dim=1)
+    denominator = (count if total is None else total(count)) + LOSS_REDUCTION_EPS
+    loss = torch.tensor(0.0, device=head_in.device, dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     for i, (name, (_, weight)) in enumerate(loss_config.items()):
         term = (term_sums[i] / denominator).mean()
         if len(loss_config) > 1:
             metrics[f"{name}_loss_{step}_sum"] = term.detach()
             metrics[f"{name}_loss_{step}_total"] = torch.tensor(1.0, device=head_in.device)
-        total = total + weight * term
+        loss = loss + weight * term
     full, full_total, cond, cond_total = compute_accuracy_single_step(
         torch.cat(preds, dim=1), torch.cat(target_ids, dim=1), mask, correct
     )
-    metrics[f"loss_{step}_sum"] = total.detach().clone()
-    metrics[f"loss_{step}_total"] = torch.tensor(1.0, device=total.device)
+    metrics[f"loss_{step}_sum"] = loss.detach().clone()
+    metrics[f"loss_{step}_total"] = torch.tensor(1.0, device=loss.device)
     metrics[f"full_acc_{step}_sum"], metrics[f"full_acc_{step}_total"] = full, full_total
     metrics[f"cond_acc_{step}_sum"], metrics[f"cond_acc_{step}_total"] = cond, cond_total
-    return total, metrics
+    return loss, metrics
 
 
 def _fc(model: Any, aux: torch.Tensor) -> torch.Tensor:
@@ -224,6 +251,51 @@ def _fc(model: Any, aux: torch.Tensor) -> torch.Tensor:
     return model.fc(aux)
 
 
+@dataclass(frozen=True)
+class RowShard:
+    """The slice of a packed row one rank computes under sequence parallelism (the batch ttt_forward gets
+    is that slice: training/sequence_parallel.py): its first position in the row, the all-gather of the
+    step-0 keys (DocumentMask.step0_keys) and the sum over the ranks of the loss's mask counts."""
+
+    start: int
+    step0_keys: Callable[[Any, torch.Tensor, torch.Tensor, int], tuple]
+    total: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _first_mask(model: Any, doc_ids: torch.Tensor, n: int, blockwise: bool, shard: RowShard | None) -> Any:
+    """Step 0's attention mask: a DocumentMask over this rank's queries, or speculators' dense one."""
+    if not blockwise:
+        return model._build_attn_mask(doc_ids, n, doc_ids.device)
+    start = 0 if shard is None else shard.start
+    return DocumentMask.of(doc_ids, start, start + n, shard and shard.step0_keys)
+
+
+def _draft_step(
+    model: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: Any,
+    position_ids: torch.Tensor, past_key_values: Any, step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One TTT step through the decoder layers, as Eagle3DraftModel.forward: (hidden states, head input)."""
+    n = hidden_states.shape[1]
+    with torch.no_grad():
+        input_embeds = model.embed_tokens(input_ids)
+    cache_position = torch.arange(step * n, (step + 1) * n, device=hidden_states.device)
+    hidden_states = torch.cat([input_embeds, hidden_states], dim=-1)
+    position_embeddings = model.rotary_emb(hidden_states, position_ids)
+    for layer in model.layers:
+        hidden_states = layer(
+            hidden_states,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            cache_position=cache_position,
+            position_embeddings=position_embeddings,
+        )
+    if model.config.norm_output:
+        hidden_states = model.norm(hidden_states)
+        return hidden_states, hidden_states
+    return hidden_states, model.norm(hidden_states)
+
+
 def ttt_forward(
     model: Any,
     batch: dict[str, torch.Tensor],
@@ -232,10 +304,14 @@ def ttt_forward(
     loss_config: dict[str, Any],
     blockwise: bool,
     chunked_loss: bool,
+    shard: RowShard | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Eagle3DraftModel.forward's loss and metrics over a packed batch (pack() keys), its TTT loop
     unchanged: blockwise attention where `blockwise` (the draft built with BLOCKWISE_ATTN), the chunked
-    head and loss where `chunked_loss`, else speculators' dense mask and compute_metrics."""
+    head and loss where `chunked_loss`, else speculators' dense mask and compute_metrics. With a `shard`
+    (blockwise and chunked) the batch is one rank's slice of the row: hidden states and positions of its
+    n positions, input ids, verifier states and loss mask running ttt_steps - 1 positions past them (to the
+    row's end), the whole row's document ids."""
     from speculators.models.eagle3.attention import extend_dense_mask_for_draft_tokens
     from speculators.models.eagle3.metrics import compute_metrics
     from transformers import DynamicCache
@@ -248,13 +324,13 @@ def ttt_forward(
     loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
     verifier_last = batch["verifier_last"]
     device, total_seq_len = hidden_states.device, hidden_states.shape[1]
-    doc_ids = batch["document_ids"].squeeze(0)
-    if blockwise:
-        mask: Any = DocumentMask.of(doc_ids)
-    else:
-        mask = model._build_attn_mask(doc_ids, total_seq_len, device)
+    if shard is not None and not (blockwise and chunked_loss):
+        raise ValueError("a row shard needs blockwise attention and the chunked loss")
+    mask = _first_mask(model, batch["document_ids"].squeeze(0), total_seq_len, blockwise, shard)
     hidden_states = _fc(model, hidden_states)
-    original_input_ids = input_ids.detach().clone()
+    # step s reads the ids s positions ahead, 0 past the row's end
+    ahead = torch.cat([input_ids.detach(), input_ids.new_zeros(1, ttt_steps)], dim=-1)
+    input_ids = ahead[:, :total_seq_len]
     targets = None
     if not chunked_loss:
         with torch.no_grad():
@@ -264,29 +340,13 @@ def ttt_forward(
     prev_correct = loss_mask.clone()
     metrics: dict[str, torch.Tensor] = {}
     for step in range(ttt_steps):
-        with torch.no_grad():
-            input_embeds = model.embed_tokens(input_ids)
-        cache_position = torch.arange(step * total_seq_len, (step + 1) * total_seq_len, device=device)
-        hidden_states = torch.cat([input_embeds, hidden_states], dim=-1)
-        position_embeddings = model.rotary_emb(hidden_states, position_ids)
-        for layer in model.layers:
-            hidden_states = layer(
-                hidden_states,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                cache_position=cache_position,
-                position_embeddings=position_embeddings,
-            )
-        if model.config.norm_output:
-            hidden_states = model.norm(hidden_states)
-            head_in = hidden_states
-        else:
-            head_in = model.norm(hidden_states)
+        hidden_states, head_in = _draft_step(
+            model, hidden_states, input_ids, mask, position_ids, past_key_values, step
+        )
         if chunked_loss:
             s_loss, s_metrics = chunked_step_loss(
                 model, head_in, verifier_last, loss_mask, prev_correct, step, ttt_step_loss_decay,
-                loss_config, LOSS_CHUNK,
+                loss_config, LOSS_CHUNK, shard and shard.total,
             )
         else:
             s_loss, s_metrics = compute_metrics(
@@ -295,9 +355,7 @@ def ttt_forward(
             )  # fmt: skip
         loss += s_loss
         metrics.update(s_metrics)
-        input_ids = torch.cat(
-            [original_input_ids[:, 1 + step :], original_input_ids.new_zeros(1, 1 + step)], dim=-1
-        )
+        input_ids = ahead[:, 1 + step : 1 + step + total_seq_len]
         if not blockwise:
             mask = extend_dense_mask_for_draft_tokens(mask, total_seq_len)
         position_ids = position_ids + 1

@@ -48,10 +48,21 @@ class Dist:
     local_rank: int = 0
     timeout_s: float = 0.0
     hosts: list[tuple[str, list[str]]] = field(default_factory=list)  # per rank: (host name, its IPs)
+    sp: int = 1  # ranks per packed row (sequence_parallel.py): groups of consecutive ranks share a row
+    seq: Any = None  # with sp > 1, this rank's sequence_parallel.SeqGroup
 
     @property
     def enabled(self) -> bool:
         return self.world > 1
+
+    @property
+    def dp_rank(self) -> int:
+        """Which rows this rank trains: its sequence-parallel group's index (its rank without it)."""
+        return self.rank // self.sp
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.sp
 
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's own default for gloo; a checkpoint save on rank 0 must fit in it
@@ -177,15 +188,19 @@ def _ranks_at(ip: str, dist: Dist) -> list[int]:
 
 
 def rank_slice(items: list[T], dist: Dist) -> list[T]:
-    """This rank's share (every world-th item); a rank left empty repeats the first so none hangs."""
-    return items[dist.rank :: dist.world] or items[:1]
+    """This rank's share (every world-th item, by data rank: a sequence-parallel group shares its rows); a
+    rank left empty repeats the first so none hangs."""
+    return items[dist.dp_rank :: dist.dp_world] or items[:1]
 
 
 def all_reduce_sums(sums: dict[str, float], dist: Dist, device: torch.device) -> dict[str, float]:
+    """The sums over the ranks, each sequence-parallel group's counted once (its first rank's: every rank
+    of a group holds the row's sums)."""
     if not dist.enabled:
         return sums
     keys = sorted(sums)
-    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    counted = 1.0 if dist.rank % dist.sp == 0 else 0.0
+    t = torch.tensor([sums[k] * counted for k in keys], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return dict(zip(keys, t.tolist()))
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.training import checkpoint, parallel, plots
+from eagle3_pipeline.training import checkpoint, parallel, plots, sequence_parallel
 from eagle3_pipeline.core import rope_scaling, schedule, storage, trackers
 from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.core.cli import EXIT_INTERRUPTED, progress
@@ -109,7 +109,7 @@ class Plan:
 def epoch_plan(cfg: TrainConfig, refs: list[SampleRef], dist: Dist, epoch: int) -> EpochPlan:
     """One epoch's shuffle packed, dealt over the ranks and grad_accum (epochs.py)."""
     batches = micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, epoch, cfg.batching)
-    return EpochPlan(epoch, batches, dist.world, dist.rank, cfg.grad_accum)
+    return EpochPlan(epoch, batches, dist.dp_world, dist.dp_rank, cfg.grad_accum)
 
 
 def steps_of_epoch(cfg: TrainConfig, refs: list[SampleRef], dist: Dist, epoch: int) -> int:
@@ -310,6 +310,7 @@ def run(cfg: TrainConfig) -> int:
 
 def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
     torch.manual_seed(cfg.seed)
+    sequence_parallel.setup(cfg, dist)  # before the plan: rows are dealt by data-parallel rank
     data = open_data(cfg)
     spec = draft_spec(cfg, data)
     verifier_path = Path(cfg.verifier_path or data.shard_set.verifier_path())
@@ -324,6 +325,7 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
         out_dir = Path(cfg.out_dir)
         storage.check_stale_asides(out_dir, checkpoint.latest(checkpoint.root_of(out_dir)) is not None)
     model, names = build_model(cfg, spec, data, verifier_path, device, kern)
+    sequence_parallel.bind_for(model, spec, kern, dist)  # the linear-memory forward called through DDP
     log.info("kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s", kern.attn_impl,
              cfg.loss, kern.loss_impl, "on" if kern.compile else "off",
              kern.length_buckets or kern.pad_multiple)  # fmt: skip
@@ -333,7 +335,7 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
             checkpoint.root_of(Path(cfg.out_dir)), cfg.keep_last, sum(p.numel() for p in params)
         )
     optimizer, scheduler = build_optimizer(cfg, params, plan)
-    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps, dist.world * cfg.grad_accum)
+    prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps, dist.dp_world * cfg.grad_accum)
     if prog.step >= plan.total_steps:
         log.info("skip: %s already reached step %d of %d (use --overwrite to retrain)", cfg.out_dir,
                  prog.step, plan.total_steps)  # fmt: skip
@@ -455,7 +457,7 @@ class TrainLoop:
             checkpoint.root_of(Path(self.cfg.out_dir)), self.cfg.keep_last, self.plan.save_every,
             self.plan.total_steps, self.model, self.names, self.optimizer, self.scheduler, self.dist,
             self.device, on_saved=self.on_saved,
-            facts={"micro_batches_per_step": self.dist.world * self.cfg.grad_accum,
+            facts={"micro_batches_per_step": self.dist.dp_world * self.cfg.grad_accum,
                    "rope_parameters": rope_parameters_of(self.model)},
         )  # fmt: skip
         self.val_loader = self._loader(
@@ -502,16 +504,16 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         tokens = 0
         # per slot of the step (micro x world + rank): its loss is not finite; set on the device, no sync
-        flags = torch.zeros(cfg.grad_accum * self.dist.world, device=self.device)
+        flags = torch.zeros(cfg.grad_accum * self.dist.dp_world, device=self.device)
         for micro in range(cfg.grad_accum):
             refs, batch = next(it) if ep.is_real(in_epoch, micro) else (None, _padding(self))
             if cfg.state_noise:
-                seed = ((cfg.seed * 1_000_003 + step) * 64 + micro) * 1024 + self.dist.rank
+                seed = ((cfg.seed * 1_000_003 + step) * 64 + micro) * 1024 + self.dist.dp_rank
                 batch = with_state_noise(batch, cfg.state_noise, seed)
             loss, metrics = forward(
                 self.ddp_model, batch, self.recipe, self.device, self.autocast_dtype, self.kern
             )
-            flags[micro * self.dist.world + self.dist.rank] = (~torch.isfinite(loss.detach())).any()
+            flags[micro * self.dist.dp_world + self.dist.dp_rank] = (~torch.isfinite(loss.detach())).any()
             count.add(refs, batch)
             if refs is None:
                 (loss * 0.0).backward()  # DDP's all-reduce needs this rank's backward; it adds nothing
@@ -519,7 +521,7 @@ class TrainLoop:
                 continue
             (loss / ep.loss_divisor(in_epoch)).backward()
             accumulate(sums, metrics)
-            tokens += int(batch["input_ids"].numel()) * self.dist.world
+            tokens += int(batch["input_ids"].numel()) * self.dist.dp_world
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # global under DDP
         bad_slots = non_finite_slots(flags, self.dist)  # every rank the same: all stop, none waits
         if bad_slots or not math.isfinite(float(grad_norm)):
@@ -533,7 +535,7 @@ class TrainLoop:
         if "untrained" not in prog.history and self.data.val_refs:
             prog.history["untrained"] = self.validate()
             log_validation(0, prog.history["untrained"], "untrained")
-            self.tracker.log(_prefixed("val", prog.history["untrained"]), 0)
+            self.tracker.log(trackers.prefixed("val", prog.history["untrained"]), 0)
         stop = StopFlag()
         meter = _Meter(prog.step)
         bar = progress(total=plan.total_steps, initial=prog.step, desc="train", unit="step")
@@ -573,7 +575,7 @@ class TrainLoop:
             val = self.validate()
             prog.history[f"step_{prog.step}"] = val
             log_validation(prog.step, val, "val")
-            self.tracker.log(_prefixed("val", val), prog.step)
+            self.tracker.log(trackers.prefixed("val", val), prog.step)
         stopping = stop.agreed(self.dist, self.device)
         if self.checkpoints.due(prog.step, val is not None, stopping):
             self.checkpoints.save(prog.step, prog.history, val)
@@ -587,7 +589,7 @@ def _non_finite(
     whose loss was not finite, if any), which of them hold non-finite states (read again from the
     shards), the last complete checkpoint, what to do. Stop, not skip: a skipped step would train on
     without its samples unnoticed, and a rerun meets the same NaN at the same step."""
-    slots = range(loop.cfg.grad_accum * loop.dist.world)
+    slots = range(loop.cfg.grad_accum * loop.dist.dp_world)
     refs = {i: _slot_refs(loop, ep, in_epoch, i) for i in slots}
     named = [r for i in (bad_slots or slots) for r in refs[i]]
     last = checkpoint.latest(checkpoint.root_of(Path(loop.cfg.out_dir)))
@@ -618,7 +620,7 @@ def _non_finite(
 def _slot_refs(loop: TrainLoop, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
     """The samples a slot (micro x world + rank) of a step of the epoch trained: its micro-batch, or
     past the epoch's last the padding micro-batch's sample (the run's first)."""
-    micro, rank = divmod(slot, loop.dist.world)
+    micro, rank = divmod(slot, loop.dist.dp_world)
     i = ep.global_index(in_epoch, micro, rank)
     return ep.batches[i] if i < len(ep.batches) else loop.data.train_refs[:1]
 
@@ -679,7 +681,7 @@ def _log_interval(loop: TrainLoop, step: int, epoch: int, grad_norm: float, mete
     )
     if loop.dist.rank == 0:
         storage.append_text(Path(loop.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
-    loop.tracker.log(_prefixed("train", {k: v for k, v in line.items() if k != "step"}), step)
+    loop.tracker.log(trackers.prefixed("train", {k: v for k, v in line.items() if k != "step"}), step)
     meter.sums = {}
 
 
@@ -699,11 +701,6 @@ class _Meter:
     t0: float = field(default_factory=time.time)
     tokens: int = 0
     sums: dict[str, float] = field(default_factory=dict)
-
-
-def _prefixed(group: str, metrics: dict[str, float]) -> dict[str, float]:
-    """Tracker keys such as train/loss, val/acc_0: one panel group per source."""
-    return {f"{group}/{k}": float(v) for k, v in metrics.items()}
 
 
 def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:

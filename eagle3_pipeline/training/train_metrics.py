@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.models import linear_memory
 from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.training import sequence_parallel
 from eagle3_pipeline.models.acceptance import Sampling
 from eagle3_pipeline.training.distributed import Dist, all_reduce_sums
 
@@ -137,21 +137,19 @@ def forward(
 
     The row is padded first where the kernels ask for it (flex: a multiple of its block; compile: a
     length bucket; kernel_policy.py says why); padding carries loss mask 0 and document id -1. Blockwise
-    attention or the chunked loss: linear_memory.ttt_forward, the same loop in memory linear in the row.
+    attention or the chunked loss: linear_memory.ttt_forward, the same loop in memory linear in the row
+    (sequence parallelism: on this rank's slice of the row, training/sequence_parallel.py).
     """
     n = batch["input_ids"].shape[1]
+    if kern.linear_memory and not recipe.parallel_drafting:  # the row, or this rank's slice of it
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            return sequence_parallel.linear_forward(model, batch, recipe, device, kern)
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if recipe.parallel_drafting:  # training/parallel.py's forward, bound by parallel.bind (not padded)
         cod = (recipe.cod_ratio, recipe.cod_ratio_min) if model.training else None
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             return model(b, recipe.depths, cod, recipe.loss_config(kern))
     b = kernels.pad_batch(b, kernels.padded_length(n, kern))
-    if kern.linear_memory:
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            return linear_memory.ttt_forward(
-                model, b, recipe.ttt_steps, recipe.ttt_step_loss_decay, recipe.loss_config(kern),
-                blockwise=kern.attn_impl == "blockwise", chunked_loss=kern.loss_impl == "chunked",
-            )  # fmt: skip
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         _, value, metrics = model(
             hidden_states=b["hidden_states"],
