@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
 from eagle3_pipeline.core import storage  # noqa: E402
 from eagle3_pipeline.models.draft import MLA_DIMS, DraftSpec, build_draft, trainable_names  # noqa: E402
 from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG  # noqa: E402
+from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def time_project(
     s: Shape, k: kernels.Kernels, batch: dict, device: torch.device, warmup: int, steps: int, train: bool
 ) -> list[float]:
     """Seconds per step of the project's optimizer step (or its no-grad forward when not train)."""
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.train import Plan, build_optimizer
     from eagle3_pipeline.training.train_metrics import Recipe, forward
 

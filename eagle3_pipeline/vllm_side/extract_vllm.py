@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.vllm_side import vllm_engine
-from eagle3_pipeline.core.config import ExtractConfig
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.config import ExtractConfig
+from eagle3_pipeline.vllm_side import vllm_engine
 
 log = logging.getLogger("eagle3.extract")
 
