@@ -43,8 +43,8 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
-from eagle3_pipeline.sizing.options import PlanOptions
 from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.sizing.options import PlanOptions
 
 
 def _warn_ttt_steps(cfg) -> None:

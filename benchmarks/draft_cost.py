@@ -35,14 +35,14 @@ def draft_spec(train_dir: Path) -> Any:
 @lru_cache(maxsize=None)
 def kimi_draft(arch: str, parallel: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The Kimi-K2.5 draft of this kind: (spec, plan.draft_report, kv_cache_report at TP KIMI_TP)."""
-    from eagle3_pipeline.core.config import config_from_file
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.data.config import VocabConfig
+    from eagle3_pipeline.core.config import config_from_file
     from eagle3_pipeline.models.draft import spec_for_training
     from eagle3_pipeline.models.verifier import default_aux_layer_ids
     from eagle3_pipeline.sizing import kv_cache
     from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG
     from eagle3_pipeline.sizing.plan import draft_report
-    from eagle3_pipeline.training.config import TrainConfig
 
     train = config_from_file(TrainConfig, str(KIMI_CONFIG))
     # norm_before_fc: the llama layer's EAGLE-3.1 input norm (kimi_k25.toml's llama alternative); an MLA

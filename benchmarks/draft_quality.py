@@ -68,7 +68,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import draft_cost  # noqa: E402 - after the path
-
 from eagle3_pipeline.core.config import SERVED_MODES  # noqa: E402 - after the path
 
 K = 3  # the headline k; the --ks are all evaluated (the long contexts at K only)
@@ -509,8 +508,8 @@ class Evaluator:
         """06_evaluate's simulation (acceptance.simulate_sequence on the export read as vLLM reads it)."""
         import torch
 
-        from eagle3_pipeline.export_eval.evaluate import COIN_SEED
         from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, verify_pass
+        from eagle3_pipeline.export_eval.evaluate import COIN_SEED
         from eagle3_pipeline.models.reference_mla import read_export
 
         draft = read_export(draft_dir, self.embed)

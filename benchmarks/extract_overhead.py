@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
-    from eagle3_pipeline.core.storage import versions
-    from eagle3_pipeline.data.config import ExtractConfig
     from eagle3_pipeline.vllm_side import vllm_engine
+    from eagle3_pipeline.data.config import ExtractConfig
     from eagle3_pipeline.vllm_side.extract_vllm import engine_fields, vllm_version
+    from eagle3_pipeline.core.storage import versions
 
     report: dict = {
         "versions": {**versions(), "vllm": vllm_version(None) if "vllm" in a.engines else "not run"},

@@ -76,9 +76,9 @@ def losses(run: Path) -> list[float]:
 
 
 def start_server(root: Path) -> tuple[subprocess.Popen, str, float]:
-    from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.online import serve_argv
+    from eagle3_pipeline.data.shards import open_shards
 
     cfg = TrainConfig(
         vocab_mapping_dir="v", out_dir="o", transfer_args=f"--hidden-states-path {root / 'served'}"

@@ -106,12 +106,7 @@ def sharpness(
     import torch
 
     from eagle3_pipeline.models.acceptance import Sampling, replay_with_aux, verifier_trace_with_aux
-    from eagle3_pipeline.models.verifier import (
-        AuxCapture,
-        find_decoder_layers,
-        load_verifier_model,
-        verifier_facts,
-    )
+    from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model, verifier_facts
 
     facts = verifier_facts(verifier)
     model = load_verifier_model(verifier, torch.float32, trust_remote_code=False)

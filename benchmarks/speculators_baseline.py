@@ -30,13 +30,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from eagle3_pipeline.training import checkpoint  # noqa: E402
 from eagle3_pipeline.core import storage
+from eagle3_pipeline.models.draft import DraftSpec  # noqa: E402
 from eagle3_pipeline.data.packing import micro_batches  # noqa: E402
 from eagle3_pipeline.data.shards import load_sample, open_shards  # noqa: E402
 from eagle3_pipeline.data.split import load_split  # noqa: E402
 from eagle3_pipeline.data.vocab import load_mapping  # noqa: E402
-from eagle3_pipeline.models.draft import DraftSpec  # noqa: E402
-from eagle3_pipeline.training import checkpoint  # noqa: E402
 
 
 def _patch_for_cpu() -> None:
@@ -110,8 +110,8 @@ def train(
     none). Its mask token is the project's default (the verifier's last id)."""
     import numpy as np
     from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.eagle3.data import shift_batch
     from speculators.models.peagle import PEagleDraftModel
+    from speculators.models.eagle3.data import shift_batch
     from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
     from speculators.train.config import TrainConfig as SpecConfig
     from speculators.train.data import CollateFn

@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
 from eagle3_pipeline.core import storage  # noqa: E402
 from eagle3_pipeline.models.draft import MLA_DIMS, DraftSpec, build_draft, trainable_names  # noqa: E402
 from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG  # noqa: E402
-from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -279,8 +279,8 @@ def draft_spec(hidden_size: int, vocab_size: int, draft_vocab_size: int, aux_lay
                rms_norm_eps: float = 1e-6, **train: object):  # fmt: skip
     """The draft a run with these [train] settings builds over a verifier of these sizes: the one
     constructor the pipeline uses (draft.spec_for_training), so tests cannot drift from it."""
-    from eagle3_pipeline.models.draft import spec_for_training
     from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.models.draft import spec_for_training
 
     cfg = TrainConfig(**{"vocab_mapping_dir": "v", "out_dir": "o", **train})
     verifier = {"hidden_size": hidden_size, "vocab_size": vocab_size, "rms_norm_eps": rms_norm_eps}
@@ -293,9 +293,9 @@ def saved_for_backward_vs_plan(spec, tokens: int, ttt_steps: int) -> tuple[int, 
     plan's memory_per_gpu for the same run, for tests comparing the two."""
     import torch
 
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.models.draft import build_draft, trainable_names
     from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
-    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.kernel_policy import resolve
     from eagle3_pipeline.training.train_metrics import Recipe, forward
 

@@ -27,6 +27,9 @@ from hypothesis import strategies as st
 
 from eagle3_pipeline.core import config
 from eagle3_pipeline.core.cli import build_parser
+from eagle3_pipeline.training.config import LOSS_NAMES
+from eagle3_pipeline.stage_configs import STAGE_CONFIGS
+from eagle3_pipeline.sizing.options import PlanOptions
 from eagle3_pipeline.core.config import (
     accepts,
     add_config_flags,
@@ -34,9 +37,6 @@ from eagle3_pipeline.core.config import (
     resolve_config,
 )
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.sizing.options import PlanOptions
-from eagle3_pipeline.stage_configs import STAGE_CONFIGS
-from eagle3_pipeline.training.config import LOSS_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}  # "plan": command line only

@@ -26,8 +26,8 @@ def kimi_spec():
 
 
 def test_kimi_draft_on_meta_device_matches_the_public_kimi_draft():
-    from eagle3_pipeline.export_eval.export import expected_shapes, export_config, flat_weights
     from eagle3_pipeline.models.draft import build_draft
+    from eagle3_pipeline.export_eval.export import expected_shapes, export_config, flat_weights
 
     spec = kimi_spec()
     with torch.device("meta"):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import draft_spec
 
-from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.models.draft import build_draft
 from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.models.draft import build_draft
+from eagle3_pipeline.core.errors import UserError
 
 TTT = 3
 PLAIN_NORMS = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False)
@@ -435,8 +435,8 @@ def test_a_full_vocabulary_draft_takes_the_verifiers_head_and_maps_ids_to_themse
     attaching the verifier's tensors and mapping ids must still work (both used to raise)."""
     import dataclasses
 
-    from eagle3_pipeline.data.vocab import draft_to_target, mappings
     from eagle3_pipeline.models.draft import attach_verifier_tensors, build_draft
+    from eagle3_pipeline.data.vocab import draft_to_target, mappings
 
     spec = dataclasses.replace(SPEC, draft_vocab_size=SPEC.vocab_size)
     model = build_draft(spec)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
 from conftest import REPO, read_jsonl, run_script, script
 
 
@@ -64,10 +66,9 @@ def test_long_prompts_cli_writes_the_file_and_refuses_lengths_past_the_models_po
 
 
 def test_stage06_reports_acceptance_per_context_bucket_and_plots_it(tiny_run, tmp_path):
-    from transformers import AutoTokenizer
-
     from eagle3_pipeline.export_eval.long_prompts import build_rows
     from eagle3_pipeline.training.plots import png_series
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_run / "verifier"))
     prompts = tmp_path / "long.jsonl"

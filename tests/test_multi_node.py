@@ -213,8 +213,8 @@ def test_the_slots_of_an_epoch_hold_each_micro_batch_once_and_weigh_a_step_by_it
 ):
     """Over every rank's slots, each micro-batch exactly once, in order; a step's real micro-batches over
     the ranks times 1 / loss_divisor each is the ranks' count (DDP's mean then is the mean of the real)."""
-    from eagle3_pipeline.data.shards import SampleRef
     from eagle3_pipeline.training.epochs import EpochPlan
+    from eagle3_pipeline.data.shards import SampleRef
 
     refs = [[SampleRef("s", "p", i, f"id{i}", 10)] for i in range(batches)]
     plans = [EpochPlan(0, refs, world, r, grad_accum) for r in range(world)]

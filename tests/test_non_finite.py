@@ -98,10 +98,10 @@ def _step_refs(tiny_run: Path, shard: Path, step: int) -> list:
     """The samples that step `step` (1-based) of a configs/tiny.toml run trains (one rank, grad_accum 1)."""
     import tomllib
 
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.data.packing import micro_batches
     from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.data.split import load_split
-    from eagle3_pipeline.training.config import TrainConfig
 
     cfg = TrainConfig(**tomllib.loads((tiny_run / "tiny.toml").read_text())["train"])
     train_refs, _ = load_split(Path(cfg.split_dir), open_shards([str(shard)]).samples)

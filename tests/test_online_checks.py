@@ -54,9 +54,9 @@ def test_token_shards_trained_as_states_shards_are_refused_with_the_fix(token_in
 
 
 def test_serve_line_asks_vllm_for_the_runs_layers_through_the_transfers_connector(token_inputs):
-    from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.online import serve_line
+    from eagle3_pipeline.data.shards import open_shards
 
     meta = open_shards([str(token_inputs / "hs")]).meta
     proc = run_script(script("04_train.py"), "--data-dir", str(token_inputs / "hs"), "--vocab-mapping-dir",

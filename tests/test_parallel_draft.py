@@ -16,11 +16,10 @@ H, VOCAB, DRAFT_VOCAB, K = 64, 300, 120, 4
 def _parallel_draft(tmp_path: Path, **train: object):
     """A parallel draft with random weights rounded to bf16 (what the export holds), exported to tmp_path:
     (model bound to the training forward, spec, export dir, verifier embedding, d2t)."""
-    from safetensors.torch import save_file
-
     from eagle3_pipeline.export_eval.export import WEIGHTS_FILE, export_config, flat_weights
     from eagle3_pipeline.models.draft import build_draft
     from eagle3_pipeline.training import parallel
+    from safetensors.torch import save_file
 
     settings = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
                     parallel_drafting=True, parallel_k=K, **train)  # fmt: skip
@@ -195,9 +194,8 @@ def test_the_compiled_forward_trains_as_the_plain_one_at_every_row_length(tmp_pa
 
 @pytest.mark.parametrize("broken", ["mask_token_id", "mask_hidden"])
 def test_gate_refuses_a_parallel_export_missing_its_key(tmp_path, broken):
-    from safetensors.torch import load_file
-
     from eagle3_pipeline.export_eval.export import static_problems
+    from safetensors.torch import load_file
 
     _, spec, out, _, d2t = _parallel_draft(tmp_path)
     config = json.loads((out / "config.json").read_text())

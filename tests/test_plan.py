@@ -112,8 +112,8 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
 
 def _tiny_plan(tmp_path, text, serve_tp):
     from eagle3_pipeline.sizing.options import PlanOptions
-    from eagle3_pipeline.sizing.plan import Tokens, build, render
     from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.sizing.plan import Tokens, build, render
 
     d = tmp_path / "verifier"
     d.mkdir(exist_ok=True)
@@ -204,12 +204,12 @@ def test_train_plan_counts_the_steps_training_runs(tiny_shards, tmp_path):
 def test_runs_that_would_not_fit_refuse_to_start_with_the_numbers(
     tiny_verifier, tiny_shards, tmp_path, monkeypatch
 ):
-    from eagle3_pipeline.core import storage
-    from eagle3_pipeline.core.errors import UserError
     from eagle3_pipeline.data import extract
-    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.core import storage
     from eagle3_pipeline.training import train
+    from eagle3_pipeline.data.config import ExtractConfig
     from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.core.errors import UserError
 
     monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
     cfg = ExtractConfig(
@@ -257,9 +257,9 @@ def test_plan_attention_memory_is_what_the_trainers_kernel_policy_resolves_and_c
     implementation kernel_policy.resolve picks on that device, at the plan's packed row and TTT steps."""
     import torch
 
-    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
     from eagle3_pipeline.training import kernel_policy
     from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
 
     settings = dict(batch_tokens=4096, max_seq_len=2048, ttt_steps=4, dtype="bfloat16", attn_impl=attn_impl)
     cfg = TrainConfig(**settings)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_kernels import _drafts, _packed_row  # the kernel tests' draft and packed row
 
-from eagle3_pipeline.models.acceptance import Sampling
 from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.training import train_metrics
+from eagle3_pipeline.models.acceptance import Sampling
 from eagle3_pipeline.training.train_metrics import Recipe, forward, served_targets
 
 EAGER = kernels.Kernels("sdpa", "eager", False)

@@ -8,14 +8,14 @@ import json
 import pytest
 from kimi_fixture import IDS, build_kimi_tokenizer
 
+from eagle3_pipeline.export_eval import evaluate
 from eagle3_pipeline.core.cli import build_parser
+from eagle3_pipeline.export_eval.config import EvaluateConfig, ExportConfig
+from eagle3_pipeline.data.config import ExtractConfig, RegenerateConfig
+from eagle3_pipeline.training.config import TrainConfig
 from eagle3_pipeline.core.config import resolve_config
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.config import ExtractConfig, RegenerateConfig
 from eagle3_pipeline.data.samples import SampleOptions, row_samples
-from eagle3_pipeline.export_eval import evaluate
-from eagle3_pipeline.export_eval.config import EvaluateConfig, ExportConfig
-from eagle3_pipeline.training.config import TrainConfig
 
 ROWS = [
     {

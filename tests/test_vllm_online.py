@@ -25,13 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    CONVERSATIONS,
-    extract_args,
-    popen_script,
-    read_jsonl,
-    run_script,
-    script,
-    vllm_available,
+    CONVERSATIONS, extract_args, popen_script, read_jsonl, run_script, script, vllm_available,
 )  # fmt: skip
 
 from eagle3_pipeline.vllm_side import vllm_engine
@@ -70,9 +64,9 @@ class Server:
     """`vllm serve` as `04_train.py --serve-line` prints it for the token shards, on a free port."""
 
     def __init__(self, tokens: Path, states_dir: Path, log: Path):
-        from eagle3_pipeline.data.shards import open_shards
         from eagle3_pipeline.training.config import TrainConfig
         from eagle3_pipeline.training.online import serve_argv
+        from eagle3_pipeline.data.shards import open_shards
 
         cfg = TrainConfig(
             vocab_mapping_dir="v", out_dir="o", transfer_args=f"--hidden-states-path {states_dir}"
@@ -167,9 +161,9 @@ def test_token_shards_hold_the_samples_of_states_shards_without_states(setup):
 
 
 def test_served_states_equal_stage_01_shards(setup):
-    from eagle3_pipeline.data.shards import load_sample, open_shards
     from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.online import OnlineSource
+    from eagle3_pipeline.data.shards import load_sample, open_shards
 
     tok, full = open_shards([str(setup["tokens"]["shards"])]), open_shards([str(setup["shards"]["shards"])])
     cfg = TrainConfig(vocab_mapping_dir="v", out_dir="o", states="online", max_seq_len=1024,

@@ -238,8 +238,8 @@ THINKING = {"temperature": 1.0, "top_p": 0.95}  # Kimi-K2.5's thinking-mode samp
 def sampled(tier_run, prompts, worker) -> dict:
     """The trained export served at temperature 0.01 and at Kimi's thinking settings in one vLLM engine,
     and the simulation counting over vLLM's outputs at both (06_evaluate --engine both does the same)."""
-    from eagle3_pipeline.export_eval.evaluate import simulate
     from eagle3_pipeline.models.acceptance import Sampling
+    from eagle3_pipeline.export_eval.evaluate import simulate
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     settings = {"cold": Sampling(0.01), "thinking": Sampling(**THINKING)}
@@ -347,8 +347,8 @@ def test_probabilistic_drafting_agrees_with_the_simulation_in_vllm(tier_run, pro
     thinking settings (one more engine per verifier, in its worker): the simulation over vLLM's outputs agrees
     within the noise of two sets of accept tests (evaluate.compare). Measured on the MLA verifier (this
     draft, 48 requests): vLLM 2.255, simulation 2.246; argmax drafting 2.291."""
-    from eagle3_pipeline.export_eval.evaluate import compare, simulate
     from eagle3_pipeline.models.acceptance import Sampling
+    from eagle3_pipeline.export_eval.evaluate import compare, simulate
 
     requests = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     sampling = Sampling(**THINKING)

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.data import parts, shards, state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import provenance
-from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data import parts, shards, state_dtype
 from eagle3_pipeline.data.config import ExtractConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import count_rows
+from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample
 from eagle3_pipeline.models.verifier import (
     AuxCapture,

@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.data import parts
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import provenance
-from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data import parts
 from eagle3_pipeline.data.config import RegenerateConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import (
     Conversation,
     RawRow,
@@ -40,6 +39,7 @@ from eagle3_pipeline.data.conversations import (
     read_rows,
     render_ids,
 )
+from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import accepted_rows
 from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
 
@@ -97,6 +97,7 @@ class HFGenerator:
     """Batch-of-one generation with transformers (the CPU fallback; exact greedy)."""
 
     def __init__(self, verifier_path: Path, cfg: RegenerateConfig, stop_ids: list[int]):
+        import torch
 
         from eagle3_pipeline.models.verifier import load_verifier_model
 

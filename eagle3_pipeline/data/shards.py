@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.data import parts, state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data import parts, state_dtype
 
 log = logging.getLogger("eagle3.shards")
 

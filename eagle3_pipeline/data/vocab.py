@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline.core import storage
+from eagle3_pipeline.data.config import VocabConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.config import VocabConfig
 from eagle3_pipeline.data.shards import iter_part_tokens, open_for_output
 
 log = logging.getLogger("eagle3.vocab")

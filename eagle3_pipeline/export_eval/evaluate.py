@@ -16,12 +16,6 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import provenance
-from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.conversations import RowRejected, read_rows
-from eagle3_pipeline.data.samples import first_prompt
-from eagle3_pipeline.export_eval.config import EvaluateConfig
 from eagle3_pipeline.models.acceptance import (
     AcceptanceCounts,
     Sampling,
@@ -31,7 +25,13 @@ from eagle3_pipeline.models.acceptance import (
     verifier_trace_with_aux,
     verify_pass,
 )
+from eagle3_pipeline.core.cli import progress
+from eagle3_pipeline.export_eval.config import EvaluateConfig
+from eagle3_pipeline.core.config import provenance
+from eagle3_pipeline.data.conversations import RowRejected, read_rows
+from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.reference_mla import read_export
+from eagle3_pipeline.data.samples import first_prompt
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
     check_verifier,

@@ -20,28 +20,26 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.training import checkpoint, kernel_policy, parallel
 from eagle3_pipeline.core import rope_scaling, storage
+from eagle3_pipeline.export_eval.config import ExportConfig
 from eagle3_pipeline.core.config import provenance
+from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft, rope_parameters_of
 from eagle3_pipeline.core.errors import DiskFull, UserError
 from eagle3_pipeline.data.packing import pack
+from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
+from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.shards import load_sample, open_shards
+from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
-from eagle3_pipeline.export_eval.config import ExportConfig
+from eagle3_pipeline.export_eval.export_rope import (
+    check_checkpoint_rope, long_positions, rope_config_problems,
+)
 from eagle3_pipeline.export_eval.export_mla import (
     mla_attention_shapes,
     mla_config_fields,
     mla_config_problems,
 )
-from eagle3_pipeline.export_eval.export_rope import (
-    check_checkpoint_rope,
-    long_positions,
-    rope_config_problems,
-)
-from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft, rope_parameters_of
-from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
-from eagle3_pipeline.models.reference_mla import read_export
-from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of
-from eagle3_pipeline.training import checkpoint, kernel_policy, parallel
 
 log = logging.getLogger("eagle3.export")
 

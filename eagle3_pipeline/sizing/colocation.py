@@ -17,7 +17,6 @@ from typing import Any
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.sizing.gpus import GPUS
-
 # vLLM's own non-KV, non-weight memory per GPU: prefill activations, CUDA graphs, NCCL buffers. An
 # assumption (not measured on these GPUs yet): scripts/gpu_check.sh is where to measure it.
 SERVER_RESERVE_BYTES = 8 * 2**30

@@ -39,26 +39,27 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.config import SERVING_K, config_from_file, read_config_file, serving_k
-from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.training import checkpoint
+from eagle3_pipeline.sizing import colocation, kv_cache, speedup
 from eagle3_pipeline.data import packing, state_dtype
-from eagle3_pipeline.data.config import ExtractConfig, SplitConfig, VocabConfig
-from eagle3_pipeline.data.conversations import count_rows
-from eagle3_pipeline.data.samples import sample_lengths
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.training import schedule
+from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.export_eval.config import ExportConfig
+from eagle3_pipeline.data.config import ExtractConfig, SplitConfig, VocabConfig
+from eagle3_pipeline.sizing.options import PlanOptions
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.config import SERVING_K, config_from_file, read_config_file, serving_k
+from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.models.draft import DraftSpec, build_draft, spec_for_training, trainable_names
+from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.samples import sample_lengths
 from eagle3_pipeline.models.verifier import (
     check_aux_layer_ids,
     default_aux_layer_ids,
     read_text_config,
     weight_bytes,
 )
-from eagle3_pipeline.sizing import colocation, kv_cache, speedup
-from eagle3_pipeline.sizing.options import PlanOptions
-from eagle3_pipeline.training import checkpoint, schedule
-from eagle3_pipeline.training import kernel_policy as kernels
-from eagle3_pipeline.training.config import TrainConfig
 
 log = logging.getLogger("eagle3.plan")
 

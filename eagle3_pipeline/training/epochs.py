@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.data.shards import SampleRef
 from eagle3_pipeline.training import schedule
 from eagle3_pipeline.training.distributed import Dist, all_reduce_sums
+from eagle3_pipeline.data.shards import SampleRef
 
 log = logging.getLogger("eagle3.train")
 

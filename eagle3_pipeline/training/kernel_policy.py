@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.training.config import ATTN_IMPLS  # the flag's choices, owned there
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.linear_memory import ATTN_CHUNK, BLOCKWISE_ATTN
-from eagle3_pipeline.training.config import ATTN_IMPLS  # the flag's choices, owned there
 
 FLEX_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, the Q and KV block of create_block_mask
 NUM_BUCKETS = 4  # compile on: rows padded to batch_tokens * k/4 (k = 1..4), rounded up to FLEX_BLOCK

@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data import state_dtype
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.data.shards import SampleRef, load_sample
-from eagle3_pipeline.training.config import TrainConfig
 
 log = logging.getLogger("eagle3.online")
 

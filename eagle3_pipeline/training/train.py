@@ -32,33 +32,11 @@ from typing import Any
 
 import torch
 
+from eagle3_pipeline.training import checkpoint, parallel, plots, schedule, trackers, kernel_policy as kernels
 from eagle3_pipeline.core import rope_scaling, storage
 from eagle3_pipeline.core.cli import EXIT_INTERRUPTED, progress
-from eagle3_pipeline.core.config import config_to_dict, provenance
-from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
-from eagle3_pipeline.data.shards import (
-    SampleRef,
-    ShardSet,
-    check_built_from,
-    has_states,
-    load_sample,
-    open_shards,
-)
-from eagle3_pipeline.data.split import load_split, split_samples
-from eagle3_pipeline.data.vocab import load_mapping
-from eagle3_pipeline.models.draft import (
-    DraftSpec,
-    attach_verifier_tensors,
-    build_draft,
-    rope_parameters_of,
-    spec_for_training,
-    trainable_names,
-)
-from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of, read_text_config
-from eagle3_pipeline.training import checkpoint, parallel, plots, schedule, trackers
-from eagle3_pipeline.training import kernel_policy as kernels
 from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.config import config_to_dict, provenance
 from eagle3_pipeline.training.distributed import (
     Dist,
     StopFlag,
@@ -69,8 +47,22 @@ from eagle3_pipeline.training.distributed import (
     rank0_output_lock,
     rank_slice,
 )
+from eagle3_pipeline.models.draft import (
+    DraftSpec,
+    attach_verifier_tensors,
+    build_draft,
+    rope_parameters_of,
+    spec_for_training,
+    trainable_names,
+)
 from eagle3_pipeline.training.epochs import EpochCount, EpochPlan, padding_of
+from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.training.online import NoServerLeft
+from eagle3_pipeline.data.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
+from eagle3_pipeline.data.shards import (
+    SampleRef, ShardSet, check_built_from, has_states, load_sample, open_shards,
+)
+from eagle3_pipeline.data.split import load_split, split_samples
 from eagle3_pipeline.training.train_metrics import (
     Recipe,
     accumulate,
@@ -81,6 +73,8 @@ from eagle3_pipeline.training.train_metrics import (
     validate,
     with_state_noise,
 )
+from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of, read_text_config
+from eagle3_pipeline.data.vocab import load_mapping
 
 log = logging.getLogger("eagle3.train")
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.models import linear_memory
-from eagle3_pipeline.models.acceptance import Sampling
 from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.models.acceptance import Sampling
 from eagle3_pipeline.training.distributed import Dist, all_reduce_sums
 
 log = logging.getLogger("eagle3.train")
