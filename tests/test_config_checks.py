@@ -22,14 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from all_stages import STAGE_CONFIGS
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from eagle3_pipeline.core import config
 from eagle3_pipeline.core.cli import build_parser
-from eagle3_pipeline.training.config import LOSS_NAMES
-from eagle3_pipeline.stage_configs import STAGE_CONFIGS
-from eagle3_pipeline.sizing.options import PlanOptions
 from eagle3_pipeline.core.config import (
     accepts,
     add_config_flags,
@@ -37,6 +35,8 @@ from eagle3_pipeline.core.config import (
     resolve_config,
 )
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.sizing.options import PlanOptions
+from eagle3_pipeline.training.config import LOSS_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}  # "plan": command line only

@@ -14,14 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from all_stages import STAGE_CONFIGS
 
 from eagle3_pipeline.core import config
 from eagle3_pipeline.core.cli import build_parser
-from eagle3_pipeline.stage_configs import STAGE_CONFIGS
-from eagle3_pipeline.data.config import ExtractConfig, RegenerateConfig, SplitConfig, VocabConfig
-from eagle3_pipeline.export_eval.config import EvaluateConfig
-from eagle3_pipeline.sizing.options import PlanOptions
-from eagle3_pipeline.training.config import TrainConfig
 from eagle3_pipeline.core.config import (
     add_config_flags,
     config_from_file,
@@ -29,6 +25,10 @@ from eagle3_pipeline.core.config import (
     resolve_config,
 )
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.config import ExtractConfig, RegenerateConfig, SplitConfig, VocabConfig
+from eagle3_pipeline.export_eval.config import EvaluateConfig
+from eagle3_pipeline.sizing.options import PlanOptions
+from eagle3_pipeline.training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}

@@ -8,13 +8,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from all_stages import STAGE_CONFIGS
 
 from eagle3_pipeline.core import cli, layout
 from eagle3_pipeline.core.config import SERVING_K, config_from_file, load_config_file
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.export_eval.config import EvaluateConfig, ExportConfig
 from eagle3_pipeline.sizing import plan
-from eagle3_pipeline.stage_configs import STAGE_CONFIGS
 from eagle3_pipeline.training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

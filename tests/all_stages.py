@@ -1,6 +1,6 @@
-"""Every stage's config class by its [section], in the pipeline's order (core/layout.py STAGES): what walks
-all stages at once (the tests of the config schema, a config file checked whole) reads. Each class lives with
-the package that owns its stage; core, below them all, cannot gather them."""
+"""Every stage's config class by its [section], in the stages' order: what the schema tests walk. Each class
+lives with the package that owns its stage (data, training, export_eval config.py); the package itself never
+needs them all at once, so they are gathered here."""
 
 from __future__ import annotations
 
