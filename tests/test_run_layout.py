@@ -153,16 +153,14 @@ def test_the_closing_hints_take_the_outputs_the_layout_wires(tmp_path):
         nxt = list(layout.STAGES)[list(layout.STAGES).index(section) + 1]
         wanted = load_config_file(path, nxt)
         out = f"{run}/{layout.OUTPUT_DIRS[section]}"
-        for part in flags.split(", "):
-            if part.startswith("then "):
-                continue
-            flag, value = part.split(" ", 1)
+        words = flags.split(", then ")[0].split(" ")
+        for flag, value in zip(words[::2], words[1::2], strict=True):
             key = flag.removeprefix("--").replace("-", "_")
             for placeholder, folder in layout.OUTPUT_DIRS.items():
                 value = value.replace(folder.upper(), f"{run}/{folder}")
             value = value.format(out=out)
             got = wanted[key]
-            assert (got[0] if isinstance(got, list) else got) == value, (section, part)
+            assert (got[0] if isinstance(got, list) else got) == value, (section, flag)
 
 
 def test_the_kimi_config_names_each_path_once():

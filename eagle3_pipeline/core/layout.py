@@ -103,6 +103,4 @@ def next_flags(section: str) -> str:
         value = wire.shape("{out}" if mine else OUTPUT_DIRS[wire.source].upper())
         words.append(f"{_flag(wire.key)} {value[0] if isinstance(value, list) else value}")
     onward = (w for w in WIRES if w.source == section and w.stage in later[1:] and w.source_key == "out_dir")
-    for wire in onward:
-        words.append(f"then {STAGES[wire.stage]} {_flag(wire.key)} {{out}}")
-    return ", ".join(words)
+    return " ".join(words) + "".join(f", then {STAGES[w.stage]} {_flag(w.key)} {{out}}" for w in onward)
