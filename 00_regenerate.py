@@ -25,6 +25,7 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
+from eagle3_pipeline.data.config import RegenerateConfig
 
 
 def main(argv=None) -> int:
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "regenerate", argv, body)
+    return run_stage(__doc__, RegenerateConfig, argv, body)
 
 
 if __name__ == "__main__":

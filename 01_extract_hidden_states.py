@@ -54,6 +54,8 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
+from eagle3_pipeline.data.config import ExtractConfig
+from eagle3_pipeline.sizing.options import PlanOptions
 
 
 def main(argv=None) -> int:
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
 
         return plan_extract(cfg, options, config_path)
 
-    return run_stage(__doc__, "extract", argv, body, plan=plan)
+    return run_stage(__doc__, ExtractConfig, argv, body, plan=(PlanOptions, plan))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
+from eagle3_pipeline.data.config import VocabConfig
 
 
 def main(argv=None) -> int:
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "vocab", argv, body)
+    return run_stage(__doc__, VocabConfig, argv, body)
 
 
 if __name__ == "__main__":

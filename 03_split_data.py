@@ -15,6 +15,7 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
+from eagle3_pipeline.data.config import SplitConfig
 
 
 def main(argv=None) -> int:
@@ -23,7 +24,7 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "split", argv, body)
+    return run_stage(__doc__, SplitConfig, argv, body)
 
 
 if __name__ == "__main__":

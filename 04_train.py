@@ -43,6 +43,8 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.sizing.options import PlanOptions
 
 
 def _warn_ttt_steps(cfg) -> None:
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
 
         return plan_train(cfg, options, config_path)
 
-    return run_stage(__doc__, "train", argv, body, extra_args=extra_args, plan=plan)
+    return run_stage(__doc__, TrainConfig, argv, body, extra_args=extra_args, plan=(PlanOptions, plan))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage, setup_logging
+from eagle3_pipeline.export_eval.config import ExportConfig
 
 
 def main(argv=None) -> int:
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "export", argv, body)
+    return run_stage(__doc__, ExportConfig, argv, body)
 
 
 def check_only(rest) -> int:

@@ -41,6 +41,7 @@ Examples:
 import sys
 
 from eagle3_pipeline.core.cli import run_stage
+from eagle3_pipeline.export_eval.config import EvaluateConfig
 
 
 def main(argv=None) -> int:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
 
         return run(cfg)
 
-    return run_stage(__doc__, "evaluate", argv, body)
+    return run_stage(__doc__, EvaluateConfig, argv, body)
 
 
 if __name__ == "__main__":

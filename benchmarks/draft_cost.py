@@ -35,7 +35,9 @@ def draft_spec(train_dir: Path) -> Any:
 @lru_cache(maxsize=None)
 def kimi_draft(arch: str, parallel: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The Kimi-K2.5 draft of this kind: (spec, plan.draft_report, kv_cache_report at TP KIMI_TP)."""
-    from eagle3_pipeline.core.config import TrainConfig, VocabConfig, config_from_file
+    from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.data.config import VocabConfig
+    from eagle3_pipeline.core.config import config_from_file
     from eagle3_pipeline.models.draft import spec_for_training
     from eagle3_pipeline.models.verifier import default_aux_layer_ids
     from eagle3_pipeline.sizing import kv_cache

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     from eagle3_pipeline.vllm_side import vllm_engine
-    from eagle3_pipeline.core.config import ExtractConfig
+    from eagle3_pipeline.data.config import ExtractConfig
     from eagle3_pipeline.vllm_side.extract_vllm import engine_fields, vllm_version
     from eagle3_pipeline.core.storage import versions
 

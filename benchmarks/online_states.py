@@ -76,7 +76,7 @@ def losses(run: Path) -> list[float]:
 
 
 def start_server(root: Path) -> tuple[subprocess.Popen, str, float]:
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.online import serve_argv
     from eagle3_pipeline.data.shards import open_shards
 

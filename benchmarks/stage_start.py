@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
 
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.config import ExtractConfig, provenance
+from eagle3_pipeline.data.config import ExtractConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.shards import MANIFEST_FILE, SHARD_FORMAT, finish_shard, open_shards, write_part
 from eagle3_pipeline.data.state_dtype import encode
 

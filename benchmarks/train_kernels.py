@@ -187,7 +187,7 @@ def time_project(
     s: Shape, k: kernels.Kernels, batch: dict, device: torch.device, warmup: int, steps: int, train: bool
 ) -> list[float]:
     """Seconds per step of the project's optimizer step (or its no-grad forward when not train)."""
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.train import Plan, build_optimizer
     from eagle3_pipeline.training.train_metrics import Recipe, forward
 

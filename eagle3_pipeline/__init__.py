@@ -10,7 +10,7 @@ it in LAYERS, never from a later one (tests/test_layout.py holds every module to
 __version__ = "0.1.0"
 
 LAYERS = (
-    "core",  # errors, output folders (storage), stage configs and flags, the stage order (cli)
+    "core",  # errors, output folders (storage), the settings machinery, the run's layout (stage order, folders)
     "models",  # the verifier, the draft spec, the draft as vLLM reads it, vLLM's acceptance rule
     "vllm_side",  # the client of vLLM's own environment (eagle3_vllm): generation, hidden states
     "data",  # stages 00-03: conversations -> samples -> shards, vocabulary mapping, split

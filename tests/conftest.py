@@ -116,7 +116,7 @@ def extract_args(verifier: object, data: object, out_dir: object) -> list[str]:
 
 def moved_config(src: Path, old_root: str, new_root: Path, out: Path, extra: str = "") -> Path:
     """A copy of a config file with its run folder moved (and optional keys appended per section)."""
-    text = src.read_text().replace(f'"{old_root}/', f'"{new_root}/')
+    text = src.read_text().replace(f'"{old_root}/', f'"{new_root}/').replace(f'"{old_root}"', f'"{new_root}"')
     text = text.replace('"tests/data/', f'"{DATA}/')
     out.write_text(text + extra)
     return out
@@ -279,7 +279,7 @@ def draft_spec(hidden_size: int, vocab_size: int, draft_vocab_size: int, aux_lay
                rms_norm_eps: float = 1e-6, **train: object):  # fmt: skip
     """The draft a run with these [train] settings builds over a verifier of these sizes: the one
     constructor the pipeline uses (draft.spec_for_training), so tests cannot drift from it."""
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.models.draft import spec_for_training
 
     cfg = TrainConfig(**{"vocab_mapping_dir": "v", "out_dir": "o", **train})
@@ -293,7 +293,7 @@ def saved_for_backward_vs_plan(spec, tokens: int, ttt_steps: int) -> tuple[int, 
     plan's memory_per_gpu for the same run, for tests comparing the two."""
     import torch
 
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.models.draft import build_draft, trainable_names
     from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
     from eagle3_pipeline.training.kernel_policy import resolve

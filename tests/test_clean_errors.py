@@ -73,7 +73,7 @@ def test_broken_shards_and_wrong_folders_are_one_line_errors(tiny_shards, tmp_pa
 
 
 def test_ttt_steps_above_the_served_k_warn_with_the_memory_they_cost(tiny_shards):
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.sizing.plan import ttt_steps_warning
 
     base = {"vocab_mapping_dir": str(tiny_shards["vocab_float32"]), "out_dir": "o", "num_attention_heads": 4,

@@ -22,21 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from all_stages import STAGE_CONFIGS
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from eagle3_pipeline.core import config
 from eagle3_pipeline.core.cli import build_parser
 from eagle3_pipeline.core.config import (
-    LOSS_NAMES,
-    STAGE_CONFIGS,
-    PlanOptions,
     accepts,
     add_config_flags,
     options_from_args,
     resolve_config,
 )
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.sizing.options import PlanOptions
+from eagle3_pipeline.training.config import LOSS_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}  # "plan": command line only
@@ -84,13 +84,20 @@ CHECKED = [(section, f.name) for section, f in FIELDS if _declares(f.metadata)]
 BOUNDED = [(s, n) for s, n in CHECKED if any(k in _meta(s, n) for k in BOUND_KEYS)]
 CHOICES = [(s, n) for s, n in CHECKED if "choices" in _meta(s, n)]
 NUMBERS = [(s, n) for s, n in CHECKED if _type(CLASSES[s], n)[0] in (int, float)]
-TYPED = [(section, f.name) for section, f in FIELDS if section != "plan"]  # PlanOptions has no file
+
+
+def _in_file(section: str, name: str) -> bool:
+    """Whether a config file may set the key in [section]: PlanOptions has no file; k is [serving]'s."""
+    return section != "plan" and name not in config.K_KEYS_MOVED.get(section, ())
+
+
+TYPED = [(section, f.name) for section, f in FIELDS if _in_file(section, f.name)]
 
 
 @functools.cache
 def _parser(section: str) -> Any:
     """The stage's parser as cli.run_stage builds it; PlanOptions' flags ride on stage 04's."""
-    parser = build_parser(None, "train" if section == "plan" else section)
+    parser = build_parser(None, STAGE_CONFIGS["train" if section == "plan" else section])
     if section == "plan":
         add_config_flags(parser.add_argument_group("plan"), PlanOptions, with_config=False)
     return parser
@@ -357,7 +364,7 @@ def test_a_number_outside_its_range_is_refused_naming_the_flag(section, name, da
     flag = _flag(name)
     message = _refusal(section, [flag, "1", _cli(value)] if is_list else [f"{flag}={_cli(value)}"])
     assert message.startswith(f"{flag} must be "), message
-    if section != "plan" and (tp is float or -INT64 <= value < INT64):
+    if _in_file(section, name) and (tp is float or -INT64 <= value < INT64):
         toml_value = [1, value] if is_list else value
         message = _refusal(section, [], f"{name} = {_toml(toml_value)}", tmp)
         assert message.startswith(f"{flag} must be ") and f"({name} in [{section}] of " in message, message
@@ -378,7 +385,7 @@ def test_a_value_inside_its_range_or_choices_resolves_to_itself(section, name, d
     argv = [_flag(name), *map(_cli, value)] if is_list else [f"{_flag(name)}={_cli(value)}"]
     assert getattr(_resolve(section, [*beside, *argv]), name) == value
     fits_toml = tp is not int or all(-INT64 <= v < INT64 for v in (value if is_list else [value]))
-    if section != "plan" and fits_toml:
+    if _in_file(section, name) and fits_toml:
         assert getattr(_resolve(section, beside, f"{name} = {_toml(value)}", tmp), name) == value
 
 

@@ -14,22 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from all_stages import STAGE_CONFIGS
 
 from eagle3_pipeline.core import config
 from eagle3_pipeline.core.cli import build_parser
 from eagle3_pipeline.core.config import (
-    STAGE_CONFIGS,
-    ExtractConfig,
-    PlanOptions,
-    SplitConfig,
-    TrainConfig,
-    VocabConfig,
     add_config_flags,
     config_from_file,
     options_from_args,
     resolve_config,
 )
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.config import ExtractConfig, RegenerateConfig, SplitConfig, VocabConfig
+from eagle3_pipeline.export_eval.config import EvaluateConfig
+from eagle3_pipeline.sizing.options import PlanOptions
+from eagle3_pipeline.training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}
@@ -85,7 +84,7 @@ def _violations(section: str, f: dataclasses.Field[Any]) -> list[Any]:
 
 def _cli(section: str, argv: list[str]) -> str:
     """The message resolve_config gives for `argv` (after the stage's required flags) on the command line."""
-    parser = build_parser(None, "train" if section == "plan" else section)
+    parser = build_parser(None, STAGE_CONFIGS["train" if section == "plan" else section])
     if section == "plan":
         add_config_flags(parser.add_argument_group("plan"), PlanOptions, with_config=False)
     required = [a for f in dataclasses.fields(STAGE_CONFIGS["train" if section == "plan" else section])
@@ -232,8 +231,8 @@ def test_the_draft_spec_and_the_train_config_refuse_with_one_message():
 # (the site that re-checked the value before, the config, the value, the message the command line gives)
 RECHECKS = [
     ("extract.run engine", ExtractConfig, {"engine": "auto"}, "--engine must be one of hf, vllm"),
-    ("evaluate.run engine", config.EvaluateConfig, {"engine": "vllm-only"}, "--engine must be one of sim"),
-    ("regenerate.resolve_engine", config.RegenerateConfig, {"engine": "trt"}, "--engine must be one of auto"),
+    ("evaluate.run engine", EvaluateConfig, {"engine": "vllm-only"}, "--engine must be one of sim"),
+    ("regenerate.resolve_engine", RegenerateConfig, {"engine": "trt"}, "--engine must be one of auto"),
     ("train.build_optimizer", TrainConfig, {"lr_schedule": "step"}, "--lr-schedule must be one of cosine"),
     ("train._autocast_dtype", TrainConfig, {"dtype": "float16"}, "--dtype must be one of auto, bfloat16"),
     ("state_dtype.resolve_dtype", ExtractConfig, {"dtype": "int8"}, "--dtype must be one of auto"),

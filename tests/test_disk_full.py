@@ -47,7 +47,7 @@ def test_disk_full_during_extraction_then_rerun_is_byte_identical(
     tiny_verifier, tmp_path, monkeypatch, full_at
 ):
     from eagle3_pipeline.data import extract
-    from eagle3_pipeline.core.config import ExtractConfig
+    from eagle3_pipeline.data.config import ExtractConfig
 
     cfg = ExtractConfig(
         verifier_path=str(tiny_verifier), data_path=str(CONVERSATIONS), out_dir="hs", samples_per_file=4
@@ -72,7 +72,7 @@ def test_disk_full_during_extraction_then_rerun_is_byte_identical(
 
 
 def _train_cfg(shards: dict[str, Path], out: Path):
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
 
     section = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())["train"]
     return TrainConfig(**{
@@ -117,7 +117,7 @@ def test_disk_full_during_export_keeps_the_good_export_and_rerun_is_byte_identic
     straight_run, tmp_path, monkeypatch
 ):
     from eagle3_pipeline.export_eval import export
-    from eagle3_pipeline.core.config import ExportConfig
+    from eagle3_pipeline.export_eval.config import ExportConfig
 
     out = tmp_path / "draft"
     cfg = ExportConfig(train_dir=str(straight_run), checkpoint="latest", out_dir=str(out), overwrite=True)

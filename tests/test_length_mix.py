@@ -124,7 +124,7 @@ class CausalServer:
 
 
 def test_online_windows_get_the_rows_of_the_forward_over_their_whole_prefix(tiny_run):
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.data.shards import load_sample, open_shards
     from eagle3_pipeline.training.online import TOKEN_KEYS, OnlineSource
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kimi_fixture import IDS, build_kimi_tokenizer
 
-from eagle3_pipeline.core.config import RegenerateConfig
+from eagle3_pipeline.data.config import RegenerateConfig
 from eagle3_pipeline.data.conversations import normalize_row
 from eagle3_pipeline.data.regenerate import length_summary, regenerate_rows, render_prompt
 from eagle3_pipeline.data.samples import SampleOptions, row_samples

@@ -18,7 +18,7 @@ KIMI_MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "
 
 
 def train_cfg(**kw: object):
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
 
     base = {"vocab_mapping_dir": "v", "out_dir": "o", "draft_arch": "mla", "norm_before_fc": False,
             "num_attention_heads": 4, "intermediate_size": 128, "rope_theta": 10000.0}  # fmt: skip

@@ -98,7 +98,7 @@ def _step_refs(tiny_run: Path, shard: Path, step: int) -> list:
     """The samples that step `step` (1-based) of a configs/tiny.toml run trains (one rank, grad_accum 1)."""
     import tomllib
 
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.data.packing import micro_batches
     from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.data.split import load_split

@@ -54,7 +54,7 @@ def test_token_shards_trained_as_states_shards_are_refused_with_the_fix(token_in
 
 
 def test_serve_line_asks_vllm_for_the_runs_layers_through_the_transfers_connector(token_inputs):
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.online import serve_line
     from eagle3_pipeline.data.shards import open_shards
 
@@ -104,7 +104,7 @@ def test_serve_line_asks_vllm_for_the_runs_layers_through_the_transfers_connecto
 def test_transfers_are_hs_connectors_backends():
     from hs_connectors.transfer import HiddenStatesBackend
 
-    from eagle3_pipeline.core.config import TRANSFERS
+    from eagle3_pipeline.training.config import TRANSFERS
 
     assert set(TRANSFERS) == set(HiddenStatesBackend.registry)
 

@@ -152,7 +152,8 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path):
 def test_command_line_overrides_config_file(tmp_path):
     import argparse
 
-    from eagle3_pipeline.core.config import TrainConfig, add_config_flags, resolve_config
+    from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.core.config import add_config_flags, resolve_config
 
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('[train]\nvocab_mapping_dir = "v"\nout_dir = "o"\nlr = 0.5\nepochs = 7\n')

@@ -112,7 +112,8 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
 
 
 def _tiny_plan(tmp_path, text, serve_tp):
-    from eagle3_pipeline.core.config import PlanOptions, TrainConfig
+    from eagle3_pipeline.sizing.options import PlanOptions
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.sizing.plan import Tokens, build, render
 
     d = tmp_path / "verifier"
@@ -146,7 +147,7 @@ def test_kv_cache_numbers_come_from_the_verifier_config(tmp_path, tp):
 
 
 def test_kv_cache_tensor_parallel_size_is_the_exports_else_plan_gpus(tmp_path):
-    from eagle3_pipeline.core.config import PlanOptions
+    from eagle3_pipeline.sizing.options import PlanOptions
     from eagle3_pipeline.sizing.plan import _serve_tp
 
     toml = tmp_path / "c.toml"
@@ -207,7 +208,8 @@ def test_runs_that_would_not_fit_refuse_to_start_with_the_numbers(
     from eagle3_pipeline.data import extract
     from eagle3_pipeline.core import storage
     from eagle3_pipeline.training import train
-    from eagle3_pipeline.core.config import ExtractConfig, TrainConfig
+    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.core.errors import UserError
 
     monkeypatch.setattr(storage, "free_bytes", lambda path: 1000)
@@ -257,7 +259,7 @@ def test_plan_attention_memory_is_what_the_trainers_kernel_policy_resolves_and_c
     import torch
 
     from eagle3_pipeline.training import kernel_policy
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.sizing.plan import draft_report, memory_per_gpu
 
     settings = dict(batch_tokens=4096, max_seq_len=2048, ttt_steps=4, dtype="bfloat16", attn_impl=attn_impl)

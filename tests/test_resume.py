@@ -286,7 +286,7 @@ def test_a_truncated_state_file_is_refused_naming_it(short_run, tmp_path):
 
 
 def test_export_of_a_corrupt_checkpoint_is_refused_writing_nothing(short_run, tmp_path):
-    from eagle3_pipeline.core.config import ExportConfig
+    from eagle3_pipeline.export_eval.config import ExportConfig
     from eagle3_pipeline.core.errors import UserError
     from eagle3_pipeline.export_eval import export
 

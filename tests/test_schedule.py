@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import read_jsonl
 
-from eagle3_pipeline.core import schedule
-from eagle3_pipeline.core.config import TrainConfig
+from eagle3_pipeline.training import schedule
+from eagle3_pipeline.training.config import TrainConfig
 
 
 def _validation_steps(total: int, every: int) -> list[int]:

@@ -10,14 +10,10 @@ from kimi_fixture import IDS, build_kimi_tokenizer
 
 from eagle3_pipeline.export_eval import evaluate
 from eagle3_pipeline.core.cli import build_parser
-from eagle3_pipeline.core.config import (
-    EvaluateConfig,
-    ExportConfig,
-    ExtractConfig,
-    RegenerateConfig,
-    TrainConfig,
-    resolve_config,
-)
+from eagle3_pipeline.export_eval.config import EvaluateConfig, ExportConfig
+from eagle3_pipeline.data.config import ExtractConfig, RegenerateConfig
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.config import resolve_config
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import SampleOptions, row_samples
 
@@ -46,7 +42,7 @@ def resolve(section, cls, argv, tmp_path=None, toml=None):
     if toml is not None:
         (tmp_path / "c.toml").write_text(toml)
         argv = ["--config", str(tmp_path / "c.toml"), *argv]
-    return resolve_config(cls, build_parser(None, section).parse_args(argv), section)
+    return resolve_config(cls, build_parser(None, cls).parse_args(argv), section)
 
 
 def test_dict_setting_from_command_line_and_toml_table(tmp_path):
@@ -125,7 +121,7 @@ def test_unknown_serving_mode_or_key_is_an_error_naming_the_choices(tmp_path, se
 @pytest.mark.parametrize("bad", ["{thinking: false}", "[1, 2]", '"thinking"'])
 def test_dict_flag_that_is_not_a_json_object_is_a_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as e:
-        build_parser(None, "extract").parse_args(["--chat-template-kwargs", bad])
+        build_parser(None, ExtractConfig).parse_args(["--chat-template-kwargs", bad])
     assert e.value.code == 2 and "--chat-template-kwargs" in capsys.readouterr().err
 
 

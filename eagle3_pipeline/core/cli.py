@@ -9,13 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from eagle3_pipeline.core.config import (
-    STAGE_CONFIGS,
-    PlanOptions,
-    add_config_flags,
-    options_from_args,
-    resolve_config,
-)
+from eagle3_pipeline.core import layout
+from eagle3_pipeline.core.config import add_config_flags, options_from_args, resolve_config
 from eagle3_pipeline.core.errors import UserError
 
 log = logging.getLogger("eagle3")
@@ -23,27 +18,10 @@ log = logging.getLogger("eagle3")
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
-# The pipeline's stages in order, owned here: scripts/run_tiny.sh loops over `python -m eagle3_pipeline.core.cli
-# stages`, and each stage's closing hint names the next (NEXT_STAGE).
-STAGES = {
-    "regenerate": "00_regenerate.py",
-    "extract": "01_extract_hidden_states.py",
-    "vocab": "02_build_vocab_mapping.py",
-    "split": "03_split_data.py",
-    "train": "04_train.py",
-    "export": "05_export.py",
-    "evaluate": "06_evaluate.py",
-}
-# What to run after each stage: the next script with the same --config, or with the flag that takes
-# this stage's output (stage 06 ends the pipeline: its JSON and plot are the result).
-NEXT_FLAGS = {
-    "regenerate": "--data-path {out}/conversations.jsonl",
-    "extract": "--data-dir {out} (after the last shard)",
-    "vocab": "--data-dir SHARDS, then 04_train.py --vocab-mapping-dir {out}",
-    "split": "--split-dir {out}",
-    "train": "--train-dir {out} --out-dir DRAFT",
-    "export": "--draft-dir {out} --data-path PROMPTS",
-}
+STAGES = layout.STAGES  # the stage order (its owner: layout.py); scripts/run_tiny.sh reads `... cli stages`
+# What to run after each stage: the next script with the same --config, or with the flags that take this
+# stage's output, from the layout's wiring (stage 06 ends the pipeline: its JSON and plot are the result).
+NEXT_FLAGS = {section: layout.next_flags(section) for section in list(STAGES)[:-1]}
 NEXT_STAGE = {
     section: (script, NEXT_FLAGS[section]) for section, script in zip(STAGES, list(STAGES.values())[1:])
 }
@@ -67,37 +45,40 @@ def setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel("WARNING")
 
 
-def build_parser(doc: str | None, section: str) -> argparse.ArgumentParser:
+def build_parser(doc: str | None, cls: type) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser, STAGE_CONFIGS[section])
+    add_config_flags(parser, cls)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return parser
 
 
 def run_stage(
     doc: str | None,
-    section: str,
+    cls: type,
     argv: list[str] | None,
     body: Callable[[Any], int | None],
     extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
-    plan: Callable[[Any, PlanOptions, str | None], int] | None = None,
+    plan: tuple[type, Callable[[Any, Any, str | None], int]] | None = None,
 ) -> int:
-    """Parse, resolve the config, run `body(cfg)`; a UserError is one line and exit status 2.
+    """Parse, resolve the stage's config (`cls`, its [section]), run `body(cfg)`; a UserError is one line
+    and exit status 2.
 
-    A stage that sizes a run passes `plan(cfg, options, config_path)`: `--plan` calls it instead.
+    A stage that sizes a run passes `plan = (PlanOptions, plan(cfg, options, config_path))`: `--plan` calls
+    it instead.
     """
-    parser = build_parser(doc, section)
+    section = cls.SECTION
+    parser = build_parser(doc, cls)
     if extra_args is not None:
         extra_args(parser)
     if plan is not None:
-        add_config_flags(parser.add_argument_group("plan (run nothing)"), PlanOptions, with_config=False)
+        add_config_flags(parser.add_argument_group("plan (run nothing)"), plan[0], with_config=False)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:
-        cfg = resolve_config(STAGE_CONFIGS[section], args, section)
-        options = options_from_args(PlanOptions, args) if plan is not None else None
-        if options is not None and options.plan:
-            return int(plan(cfg, options, args.config) or 0)
+        cfg = resolve_config(cls, args, section)
+        options = options_from_args(plan[0], args) if plan is not None else None
+        if plan is not None and options.plan:
+            return int(plan[1](cfg, options, args.config) or 0)
         if extra_args is not None:
             cfg = (cfg, args)
         code = body(cfg)

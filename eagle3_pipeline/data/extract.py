@@ -28,7 +28,8 @@ import torch
 from eagle3_pipeline.data import parts, shards, state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import ExtractConfig, provenance
+from eagle3_pipeline.data.config import ExtractConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.core.config import ExtractConfig
+from eagle3_pipeline.data.config import ExtractConfig
 from eagle3_pipeline.core.errors import UserError
 
 DEPTH = 2  # parts rendered ahead of the forward (memory: their token ids only)

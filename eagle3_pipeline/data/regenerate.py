@@ -28,7 +28,8 @@ from typing import Any
 from eagle3_pipeline.data import parts
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import RegenerateConfig, provenance
+from eagle3_pipeline.data.config import RegenerateConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import (
     Conversation,
     RawRow,

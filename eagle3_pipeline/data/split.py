@@ -13,7 +13,8 @@ import logging
 from pathlib import Path
 
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.config import SplitConfig, provenance
+from eagle3_pipeline.data.config import SplitConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import conversation_id
 from eagle3_pipeline.data.shards import SampleRef, open_for_output

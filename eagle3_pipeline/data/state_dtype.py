@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_pipeline.core.config import FP8, NO_STATES  # the choices, owned there
+from eagle3_pipeline.data.config import FP8, NO_STATES  # the choices, owned there
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec, E4M3: S.1111.110 = 448)
 FP8_SCALES = "per_sample"  # meta.json "fp8_scales" of shards written now; absent = per-token (older)

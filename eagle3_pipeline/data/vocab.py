@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.config import VocabConfig, provenance
+from eagle3_pipeline.data.config import VocabConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.shards import iter_part_tokens, open_for_output
 

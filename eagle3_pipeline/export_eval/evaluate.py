@@ -26,7 +26,8 @@ from eagle3_pipeline.models.acceptance import (
     verify_pass,
 )
 from eagle3_pipeline.core.cli import progress
-from eagle3_pipeline.core.config import EvaluateConfig, provenance
+from eagle3_pipeline.export_eval.config import EvaluateConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import RowRejected, read_rows
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.reference_mla import read_export

@@ -22,7 +22,8 @@ import torch
 
 from eagle3_pipeline.training import checkpoint, kernel_policy, parallel
 from eagle3_pipeline.core import rope_scaling, storage
-from eagle3_pipeline.core.config import ExportConfig, provenance
+from eagle3_pipeline.export_eval.config import ExportConfig
+from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft, rope_parameters_of
 from eagle3_pipeline.core.errors import DiskFull, UserError
 from eagle3_pipeline.data.packing import pack
@@ -32,9 +33,7 @@ from eagle3_pipeline.data.shards import load_sample, open_shards
 from eagle3_pipeline.models.verifier import check_verifier, draft_tensors_of
 from eagle3_pipeline.data.vocab import draft_to_target, load_mapping
 from eagle3_pipeline.export_eval.export_rope import (
-    check_checkpoint_rope,
-    long_positions,
-    rope_config_problems,
+    check_checkpoint_rope, long_positions, rope_config_problems,
 )
 from eagle3_pipeline.export_eval.export_mla import (
     mla_attention_shapes,

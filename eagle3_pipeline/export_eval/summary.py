@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.core.config import ExportConfig, TrainConfig, config_from_file
+from eagle3_pipeline.export_eval.config import ExportConfig
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.config import config_from_file
 from eagle3_pipeline.core.errors import UserError
 
 ACCEPTANCE_NAME = "acceptance_sim.json"  # what `06_evaluate.py --engine sim` writes in the draft folder

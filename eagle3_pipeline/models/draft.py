@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core import rope_scaling
-from eagle3_pipeline.core.config import check_draft_shape
+from eagle3_pipeline.models.draft_shape import check_draft_shape
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models import linear_memory, mla_draft
 

@@ -192,11 +192,10 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
 
 def from_config(config_path: Path) -> None:
     """What scripts/run_tiny.sh needs before stage 00/01: the [run] section's verifier."""
-    import tomllib
+    from eagle3_pipeline.core.config import load_config_file, read_config_file
 
-    cfg = tomllib.loads(config_path.read_text())
-    run, extract = cfg["run"], cfg["extract"]
-    verifier = Path(extract["verifier_path"])
+    run = read_config_file(str(config_path))["run"]
+    verifier = Path(load_config_file(str(config_path), "extract")["verifier_path"])  # as stage 01 reads it
     if not (verifier / "tokenizer.json").exists():
         tmp = verifier.with_name(verifier.name + ".tmp")
         if tmp.exists():

@@ -43,17 +43,14 @@ import torch
 from eagle3_pipeline.training import checkpoint
 from eagle3_pipeline.sizing import colocation, kv_cache, long_sample, speedup
 from eagle3_pipeline.data import packing, state_dtype
-from eagle3_pipeline.core import schedule, storage
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.training import schedule
 from eagle3_pipeline.training import kernel_policy as kernels
-from eagle3_pipeline.core.config import (
-    ExportConfig,
-    ExtractConfig,
-    PlanOptions,
-    SplitConfig,
-    TrainConfig,
-    VocabConfig,
-    config_from_file,
-)
+from eagle3_pipeline.export_eval.config import ExportConfig
+from eagle3_pipeline.data.config import ExtractConfig, SplitConfig, VocabConfig
+from eagle3_pipeline.sizing.options import PlanOptions
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.config import SERVING_K, config_from_file, read_config_file, serving_k
 from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.models.draft import DraftSpec, build_draft, spec_for_training, trainable_names
 from eagle3_pipeline.core.errors import UserError
@@ -460,8 +457,10 @@ def _tokens_from_data(
 
 
 def _serve_k(config_path: str | None) -> int:
-    """The k vLLM serves with: [export] num_speculative_tokens (the export's serve line)."""
-    return config_from_file(ExportConfig, config_path).num_speculative_tokens
+    """The k vLLM serves with: [serving] num_speculative_tokens (the export's serve line prints it)."""
+    if config_path is None:
+        return SERVING_K
+    return serving_k(read_config_file(config_path).get("serving", {}), Path(config_path))
 
 
 def _serve_tp(config_path: str | None, opts: PlanOptions) -> int:

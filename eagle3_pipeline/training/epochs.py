@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.core import schedule
+from eagle3_pipeline.training import schedule
 from eagle3_pipeline.training.distributed import Dist, all_reduce_sums
 from eagle3_pipeline.data.shards import SampleRef
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.core.config import ATTN_IMPLS  # the flag's choices, owned there
+from eagle3_pipeline.training.config import ATTN_IMPLS  # the flag's choices, owned there
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.linear_memory import ATTN_CHUNK, BLOCKWISE_ATTN
 

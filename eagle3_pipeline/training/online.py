@@ -41,7 +41,7 @@ import torch
 
 from eagle3_pipeline.data import state_dtype
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.core.config import TrainConfig
+from eagle3_pipeline.training.config import TrainConfig
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.packing import pack, window_of
 from eagle3_pipeline.data.shards import SampleRef, load_sample

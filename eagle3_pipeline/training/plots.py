@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.training import checkpoint
-from eagle3_pipeline.core import schedule, storage
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.training import schedule
 
 PLOTS_DIR = "plots"
 Series = dict[str, tuple[list[float], list[float]]]  # label -> (x, y)

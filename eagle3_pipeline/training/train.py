@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.training import checkpoint, parallel, plots, sequence_parallel
-from eagle3_pipeline.core import rope_scaling, schedule, storage, trackers
+from eagle3_pipeline.training import checkpoint, parallel, plots, schedule, sequence_parallel, trackers
 from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.core import rope_scaling, storage
 from eagle3_pipeline.core.cli import EXIT_INTERRUPTED, progress
-from eagle3_pipeline.core.config import TrainConfig, config_to_dict, provenance
+from eagle3_pipeline.training.config import TrainConfig
+from eagle3_pipeline.core.config import config_to_dict, provenance
 from eagle3_pipeline.training.distributed import (
     Dist,
     StopFlag,

@@ -27,8 +27,11 @@ import torch
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.vllm_side import vllm_engine
-from eagle3_pipeline.core.config import ExtractConfig
 from eagle3_pipeline.core.errors import UserError
+
+# `cfg` below is an ExtractConfig (data/config.py), typed Any: the data stages call this engine, and an
+# import of their config here would run against them
+ExtractConfig = Any
 
 log = logging.getLogger("eagle3.extract")
 
