@@ -112,6 +112,9 @@ def build_vl_verifier(out_dir: Path, text_arch: str = "kimi_mla", seed: int = 0)
         tie_word_embeddings=False,
     )
     config.architectures = ["KimiK25ForConditionalGeneration"]  # vLLM's class name
+    # as Kimi-K2.5's config: vLLM's chat path then hands image parts to the processor as `vision_chunk`
+    # items, the one modality its Kimi-K2.5 processor takes
+    config.use_unified_vision_chunk = True
     config.save_pretrained(str(out_dir))
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
     state = {"language_model." + k: v.contiguous() for k, v in text_model.state_dict().items()}

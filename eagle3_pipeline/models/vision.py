@@ -24,6 +24,18 @@ IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_e
 MEDIA_PAD = "<|media_pad|>"
 
 
+def draft_input_id_at_image(placeholder_id: int) -> int:
+    """The token whose embedding the draft is fed at an image position: the placeholder's, as vLLM serves
+    it. vLLM 0.32's proposer (`vllm/v1/spec_decode/llm_base_proposer.py`, the EagleProposer of `eagle.py`)
+    hands the draft the multimodal embeddings beside the ids, and both EAGLE-3 draft classes
+    (`llama_eagle3.py`, `deepseek_eagle3.py` `embed_input_ids`) ignore them and embed the id; the verifier's
+    aux states there come from its forward with the image. SGLang feeds the draft the vision encoder's
+    embeddings instead (sglang #23613): a draft trained for one engine does not match the other. The
+    token ids written for an image keep this id (data/images.expand_image_tokens), so the draft, which
+    embeds its input ids, sees what vLLM feeds it."""
+    return placeholder_id
+
+
 @dataclass(frozen=True)
 class VisionSettings:
     """The image processor's limits, read from the checkpoint's preprocessor_config.json `media_proc_cfg`
