@@ -165,6 +165,14 @@ def tiny_mla_verifier(tmp_path_factory) -> Path:
     return build_verifier("kimi_mla", tmp_path_factory.mktemp("verifier") / "kimi_mla")
 
 
+@pytest.fixture(scope="session")
+def tiny_vl_verifier(tmp_path_factory) -> Path:
+    """A tiny Kimi-K2.5 with its vision tower (models/tiny_vl.py; read only)."""
+    from eagle3_pipeline.models.tiny_vl import build_vl_verifier
+
+    return build_vl_verifier(tmp_path_factory.mktemp("verifier") / "kimi_vl")
+
+
 def run_tiny_pipeline(config_name: str, old_root: str, root: Path) -> Path:
     """scripts/run_tiny.sh on configs/<config_name> with its run folder moved to `root`; returns root."""
     cfg = moved_config(REPO / "configs" / config_name, old_root, root, root / config_name)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.data.images import IMAGE_PART_TYPES, ImageRejected, load_part_image, template_messages
 
 ROLE_ALIASES = {
     "user": "user",
@@ -35,7 +36,7 @@ ROLE_ALIASES = {
 }
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # vLLM/DeepSeek, OpenRouter, others
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-MULTIMODAL_PART_TYPES = ("image_url", "image", "input_image", "video", "video_url", "audio", "input_audio")
+OTHER_MEDIA_PART_TYPES = ("video", "video_url", "audio", "input_audio")  # refused: images only
 UTF8_BOM = "\ufeff"
 
 
@@ -55,6 +56,12 @@ class Conversation:
     row_id: str | None
     messages: list[dict[str, Any]]  # OpenAI message dicts, as chat templates read them
     tools: list[dict[str, Any]] | None = None  # the row's tool declarations, passed to the template
+
+    @property
+    def images(self) -> list[str]:
+        """The row's images as data URLs, in the order the template renders them."""
+        return [p["image_url"]["url"] for m in self.messages if isinstance(m["content"], list)
+                for p in m["content"] if p["type"] == "image_url"]  # fmt: skip
 
 
 def _require(path: Path) -> None:
@@ -142,10 +149,12 @@ def row_id_of(row: dict[str, Any]) -> str | None:
     return None if row_id is None else str(row_id)
 
 
-def normalize_row(row: Any) -> Conversation:
+def normalize_row(row: Any, base_dir: Path | None = None, images: bool = False) -> Conversation:
     """The row as the chat template needs it (OpenAI message dicts plus the row's `tools`), or RowRejected.
 
-    Kept per turn: `content` (a string; text parts joined), `reasoning_content` (from `reasoning_content`,
+    Kept per turn: `content` (a string; text parts joined; with `images`, a turn with image parts keeps
+    its parts in order, each image read (relative paths from `base_dir`), checked and kept as an OpenAI
+    `image_url` part with a data URL: data/images.py), `reasoning_content` (from `reasoning_content`,
     `reasoning`, `thinking`, or a leading inline `<think>R</think>` in an assistant's content;
     both texts exactly as given, whitespace where they meet included),
     `tool_calls` (OpenAI form, arguments as a JSON string, ids `functions.<name>:<n>` when missing, the
@@ -183,7 +192,9 @@ def normalize_row(row: Any) -> Conversation:
             calls.assign(n, message)
             messages.append(message)
             continue
-        content = _content(n, raw_content)
+        content = _content(n, raw_content, base_dir, images)
+        if isinstance(content, list) and kind == "assistant":
+            raise RowRejected(f"turn {n} ({role}) has an image: the model generates text only")
         message = {"role": kind, "content": content}
         if kind == "assistant":
             _assistant_fields(n, turn, message)
@@ -199,7 +210,7 @@ def normalize_row(row: Any) -> Conversation:
             name = turn.get("name")
             if isinstance(name, str):
                 message["name"] = name
-        elif not content.strip():
+        elif isinstance(content, str) and not content.strip():
             raise RowRejected(f"turn {n} ({role}) is empty")
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
@@ -226,23 +237,40 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _content(n: int, content: Any) -> str:
+def _content(n: int, content: Any, base_dir: Path | None, images: bool) -> str | list[dict[str, Any]]:
+    """A turn's content: a string, or (images read and checked) its text and image_url parts in order."""
     if content is None:
         return ""
-    if isinstance(content, list):  # OpenAI content parts: text only
-        for p in content:
-            kind = p.get("type") if isinstance(p, dict) else None
-            if kind in MULTIMODAL_PART_TYPES:
-                raise RowRejected(
-                    f"turn {n} has {kind} content: multimodal rows are not supported (the draft is "
-                    "trained on text only; the verifier's vision tower is not run)"
-                )
-            if kind != "text" or not isinstance(p.get("text"), str):
-                raise RowRejected(f"turn {n} has non-text content parts")
-        return "".join(p["text"] for p in content)
-    if not isinstance(content, str):
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
         raise RowRejected(f"turn {n} content is {type(content).__name__}, expected a string")
-    return content
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in OTHER_MEDIA_PART_TYPES:
+            raise RowRejected(f"turn {n} has {kind} content: only text and images are supported")
+        if kind in IMAGE_PART_TYPES:
+            parts.append(_image_part(n, p, base_dir, images))
+        elif kind == "text" and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        else:
+            raise RowRejected(f"turn {n} has non-text content parts")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_part(n: int, part: dict[str, Any], base_dir: Path | None, images: bool) -> dict[str, Any]:
+    if not images:
+        raise RowRejected(
+            f"turn {n} has {part['type']} content: multimodal rows are not supported here yet (stages 00 "
+            "and 01 do not run the verifier's vision tower)"
+        )
+    try:
+        return {"type": "image_url", "image_url": {"url": load_part_image(part, base_dir)}}
+    except ImageRejected as e:
+        raise RowRejected(f"turn {n}: {e}") from None
 
 
 def _assistant_fields(n: int, turn: dict[str, Any], message: dict[str, Any]) -> None:
@@ -361,7 +389,7 @@ def render_ids(
     if tools:
         extra["tools"] = tools
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        template_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = [
     "<|bos|>",
@@ -44,8 +45,11 @@ PRINTABLE_BYTES = range(32, 127)
 LAYER_OUTPUT_SCALE = {"deepseek_v3": 50.0, "kimi_mla": 7.0, "llama": 10.0}
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Byte-level BPE with no merges: every byte one token, ids 0-255, then the special tokens."""
+def build_tokenizer(
+    out_dir: Path, extra_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
+) -> None:
+    """Byte-level BPE with no merges: every byte one token, ids 0-255, then the special tokens (and
+    `extra_tokens` after them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,11 +57,11 @@ def build_tokenizer(out_dir: Path) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens([*SPECIAL_TOKENS, *extra_tokens])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 
@@ -141,14 +145,11 @@ def next_token_table(vocab_size: int, seed: int) -> list[int]:
     return table.tolist()
 
 
-def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool = False) -> Path:
-    """Write a tiny predictable verifier; `nest_as_kimi` wraps its config in `text_config` and its
-    weights under `language_model.` like Kimi-K2.5's KimiK25ForConditionalGeneration."""
+def predictable_text_model(arch: str, seed: int = 0) -> tuple[Any, Any]:
+    """(config, model) of a tiny predictable verifier's text model (see the module's docstring)."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg_dict = tiny_config(arch)
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
@@ -164,6 +165,29 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
         head = torch.zeros_like(emb)
         head.index_add_(0, torch.tensor(nxt), emb)
         model.get_output_embeddings().weight.copy_(head / head.norm(dim=1, keepdim=True).clamp_min(1.0) * 4)
+    return config, model
+
+
+def save_sharded(state: dict[str, Any], out_dir: Path) -> None:
+    """Weights in two safetensors files with an index, like real checkpoints, so the loaders exercise
+    that path."""
+    from safetensors.torch import save_file
+
+    keys = sorted(state)
+    half = len(keys) // 2
+    index: dict[str, Any] = {"metadata": {}, "weight_map": {}}
+    for n, part in enumerate((keys[:half], keys[half:])):
+        fname = f"model-{n + 1:05d}-of-00002.safetensors"
+        save_file({k: state[k] for k in part}, str(out_dir / fname), metadata={"format": "pt"})
+        index["weight_map"].update({k: fname for k in part})
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool = False) -> Path:
+    """Write a tiny predictable verifier; `nest_as_kimi` wraps its config in `text_config` and its
+    weights under `language_model.` like Kimi-K2.5's KimiK25ForConditionalGeneration."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config, model = predictable_text_model(arch, seed)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if nest_as_kimi:
         state = {"language_model." + k: v for k, v in state.items()}
@@ -177,15 +201,7 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
         (out_dir / "config.json").write_text(json.dumps(wrapper, indent=2))
     else:
         config.save_pretrained(str(out_dir))
-    # sharded like real checkpoints, with an index, so the loaders exercise that path
-    keys = sorted(state)
-    half = len(keys) // 2
-    index = {"metadata": {}, "weight_map": {}}
-    for n, part in enumerate((keys[:half], keys[half:])):
-        fname = f"model-{n + 1:05d}-of-00002.safetensors"
-        save_file({k: state[k] for k in part}, str(out_dir / fname), metadata={"format": "pt"})
-        index["weight_map"].update({k: fname for k in part})
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    save_sharded(state, out_dir)
     build_tokenizer(out_dir)
     return out_dir
 
