@@ -199,9 +199,10 @@ def bigram_accuracy(train_ids: list[int], test_ids: list[int]) -> float:
 
 def train(
     out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, threads: int, seed: int = 0,
-    resume_phase1: bool = False,
+    resume_phase1: bool = False, config_overrides: dict | None = None,
 ) -> dict:  # fmt: skip
-    """Train the verifier on `rows` for fixed steps and save it; returns its statistics."""
+    """Train the verifier on `rows` for fixed steps and save it; returns its statistics.
+    `config_overrides`: config.json keys replaced (another benchmark's shape, e.g. yarn positions)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -214,7 +215,7 @@ def train(
     if not (resume_phase1 and (out_dir / "tokenizer.json").is_file()):
         build_tokenizer(texts, vocab_size, out_dir)
     tok = AutoTokenizer.from_pretrained(str(out_dir))
-    cfg_dict = verifier_config(len(tok), tok, quick)
+    cfg_dict = {**verifier_config(len(tok), tok, quick), **(config_overrides or {})}
     config = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     config.architectures = cfg_dict["architectures"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
