@@ -50,18 +50,21 @@ from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft  # no
 YARN = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 512, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
 MAX_POSITIONS = 32768
-# trained_verifier.py's quick shape with yarn; 2 heads (the 32k prefill's cost is heads x layers x T^2)
-# and v_head_dim = qk_nope + qk_rope = 128, so torch's CPU flash attention takes it (with unequal head
-# dims sdpa falls back to the math kernel, whose T x T scores do not fit at 32k).
-VERIFIER_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 2, "v_head_dim": 128,
+# trained_verifier.py's quick shape with yarn, cut for these 2 shared cores, where the 32k prefill's cost
+# is heads x layers x head dim x T^2: 3 layers, 2 heads of 32 + 32 dims (Kimi: 64 heads of 128 + 64),
+# v_head_dim equal to the query's so torch's CPU flash attention takes it (with unequal head dims sdpa
+# falls back to the math kernel, whose T x T scores do not fit at 32k); Kimi's 512-wide latent kept.
+VERIFIER_SHAPE = {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
+                  "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64,
                   "max_position_embeddings": MAX_POSITIONS, "rope_scaling": YARN}  # fmt: skip
-AUX_LAYER_IDS = [1, 2, 3]  # low, middle, high of the 4 layers (draft_quality.py's choice)
+VERIFIER_PHASES = [(80, 3e-3)]  # steps, peak lr: trained_verifier.py's quick schedule, shorter
+AUX_LAYER_IDS = [1, 2, 3]  # every layer of the 3 (EAGLE-3 takes three)
 LENGTHS = (1024, 4096, 8192, 16384, 32768)  # target prompt lengths, less ROOM: one bucket each
 ROPE_SETTINGS = ("verifier", "none")
 SETTINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "thinking": {"temperature": 1.0, "top_p": 0.95}}
 K = 3
 SIZES = {  # prompts per length (document, session alternating), new tokens per request, draft epochs
-    "quick": {"per_length": 3, "max_new": 24, "epochs": 3, "num_train": 160},
+    "quick": {"per_length": 3, "max_new": 16, "epochs": 2, "num_train": 160},
     "full": {"per_length": 4, "max_new": 48, "epochs": 5, "num_train": 400},
 }
 
@@ -95,7 +98,7 @@ def build_verifier(work: Path, size: dict, threads: int) -> dict[str, Any]:
     stats = work / "verifier" / "verifier_stats.json"
     if not stats.exists():
         tv.train(work / "verifier", parts["verifier"], parts["heldout"], True, threads,
-                 config_overrides=VERIFIER_SHAPE)  # fmt: skip
+                 config_overrides=VERIFIER_SHAPE, phases=VERIFIER_PHASES)  # fmt: skip
     return json.loads(stats.read_text())
 
 
@@ -128,19 +131,22 @@ def train_drafts(work: Path, size: dict, threads: int) -> dict[str, Path]:
 
 
 def long_prompt_rows(verifier: Path, size: dict) -> list[dict[str, Any]]:
-    """Held-out long prompts (document and session kinds alternating) at each of LENGTHS less room."""
+    """Held-out long prompts (document and session kinds alternating) at each of LENGTHS less room, in
+    rounds of one prompt per length, nearest and farthest first: a run cut short (its JSON is rewritten
+    after each prompt) still holds the buckets the must-show compares."""
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.export_eval.long_prompts import build_rows
 
     tok = AutoTokenizer.from_pretrained(str(verifier))
-    rows = []
+    per_length = {}
     for target in LENGTHS:
         n = target - room(size["max_new"])
-        for kind in ("document", "session"):
-            per_kind = (size["per_length"] + (kind == "document")) // 2
-            rows += build_rows(tok, [n], per_kind, (kind,))
-    return rows
+        docs = build_rows(tok, [n], (size["per_length"] + 1) // 2, ("document",))
+        sessions = build_rows(tok, [n], size["per_length"] // 2, ("session",))
+        per_length[target] = [r for pair in zip(docs, sessions + [None]) for r in pair if r is not None]
+    order = sorted(LENGTHS, key=lambda t: (t != min(LENGTHS), -t))  # 1k, 32k, 16k, 8k, 4k
+    return [per_length[t][i] for i in range(size["per_length"]) for t in order if i < len(per_length[t])]
 
 
 class TailDraft(ReferenceDraft):
@@ -192,8 +198,11 @@ def verifier_traces(
     return out
 
 
-def measure(work: Path, drafts: dict[str, Path], rows: list[dict], size: dict, threads: int) -> dict:
-    """The simulation of every draft and setting over the rows: {draft: {setting: summary}}, and costs."""
+def measure(
+    work: Path, drafts: dict[str, Path], rows: list[dict], size: dict, threads: int, done: Any = None
+) -> dict:
+    """The simulation of every draft and setting over the rows: {draft: {setting: summary}}, and costs;
+    `done(partial)` after each row, with what the rows so far give (a long run's results survive it)."""
     from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, trace_length
     from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
                                                   load_verifier_tensors, verifier_facts)  # fmt: skip
@@ -221,9 +230,18 @@ def measure(work: Path, drafts: dict[str, Path], rows: list[dict], size: dict, t
         cost[key] = cost.get(key, 0.0) + time.time() - t0
         print(f"{row['id']}: {len(prompt)} tokens, verifier {t1 - t0:.0f}s, drafts {time.time() - t1:.0f}s",
               flush=True)  # fmt: skip
+        if done is not None:
+            done(_results(counts, cost, i + 1))
     capture.remove()
-    return {"results": {r: {s: c.summary() for s, c in per.items()} for r, per in counts.items()},
-            "seconds_per_length": {k: round(v, 1) for k, v in cost.items()}}  # fmt: skip
+    return _results(counts, cost, len(rows))
+
+
+def _results(counts: dict, cost: dict[str, float], rows_done: int) -> dict:
+    return {
+        "results": {r: {s: c.summary() for s, c in per.items()} for r, per in counts.items()},
+        "seconds_per_length": {k: round(v, 1) for k, v in cost.items()},
+        "rows_done": rows_done,
+    }
 
 
 def ratio(buckets: list[dict], far: str, near: str = "0-1k") -> dict[str, float] | None:
@@ -254,37 +272,48 @@ def table(results: dict) -> list[str]:
     return lines
 
 
+def report_of(m: dict, size: dict, stats: dict, rows: list[dict], seconds: dict, threads: int) -> dict:
+    far = {r: {s: ratio(v["acceptance_by_context"]["buckets"], "16k-32k") for s, v in per.items()}
+           for r, per in m["results"].items()}  # fmt: skip
+    return {
+        "benchmark": "long_context", "size": size, "k": K, "settings": SETTINGS, "yarn": YARN,
+        "verifier": {k: v for k, v in stats.items() if k != "config"},
+        "prompts": [{"id": r["id"], "tokens": r["prompt_tokens"]} for r in rows],
+        "ratio_16k_32k_to_0_1k": far, **m, "seconds": seconds,
+        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "threads": threads, "torch_threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", type=Path, required=True, help="verifier, shards, drafts (cached)")
-    p.add_argument("--quick", action="store_true", help="3 prompts per length, 24 new tokens, 3 epochs")
+    p.add_argument("--quick", action="store_true", help="3 prompts per length, 16 new tokens, 2 epochs")
+    p.add_argument("--per-length", type=int, help="prompts per length (default: the size's)")
+    p.add_argument("--max-new-tokens", type=int, help="new tokens per request (default: the size's)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, help="results JSON")
+    p.add_argument("--out", type=Path, help="results JSON, rewritten after each prompt")
     a = p.parse_args(argv)
-    size = SIZES["quick" if a.quick else "full"]
+    size = dict(SIZES["quick" if a.quick else "full"])
+    size.update({k: v for k, v in (("per_length", a.per_length), ("max_new", a.max_new_tokens)) if v})
     a.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     stats = build_verifier(a.work_dir, size, a.threads)
     drafts = train_drafts(a.work_dir, size, a.threads)
     t1 = time.time()
     rows = long_prompt_rows(a.work_dir / "verifier", size)
-    m = measure(a.work_dir, drafts, rows, size, a.threads)
-    far = {r: {s: ratio(v["acceptance_by_context"]["buckets"], "16k-32k") for s, v in per.items()}
-           for r, per in m["results"].items()}  # fmt: skip
-    report = {
-        "benchmark": "long_context", "size": size, "k": K, "settings": SETTINGS, "yarn": YARN,
-        "verifier": {k: v for k, v in stats.items() if k != "config"},
-        "prompts": [{"id": r["id"], "tokens": r["prompt_tokens"]} for r in rows],
-        "ratio_16k_32k_to_0_1k": far, **m,
-        "seconds": {"build": round(t1 - t0, 1), "measure": round(time.time() - t1, 1)},
-        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "threads": a.threads,
-    }  # fmt: skip
-    if a.out:
-        a.out.write_text(json.dumps(report, indent=1) + "\n")
-    print("\n".join(table(m["results"])))
-    print(json.dumps({"ratio_16k_32k_to_0_1k": far, "seconds": report["seconds"],
-                      "seconds_per_length": m["seconds_per_length"]}, indent=1))  # fmt: skip
+
+    def write(m: dict) -> dict:
+        seconds = {"build": round(t1 - t0, 1), "measure": round(time.time() - t1, 1)}
+        report = report_of(m, size, stats, rows, seconds, a.threads)
+        if a.out:
+            a.out.write_text(json.dumps(report, indent=1) + "\n")
+        return report
+
+    report = write(measure(a.work_dir, drafts, rows, size, a.threads, write))
+    print("\n".join(table(report["results"])))
+    print(json.dumps({k: report[k] for k in ("ratio_16k_32k_to_0_1k", "seconds", "seconds_per_length")},
+                     indent=1))  # fmt: skip
     return 0
 
 
