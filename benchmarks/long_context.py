@@ -57,15 +57,17 @@ MAX_POSITIONS = 32768
 VERIFIER_SHAPE = {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
                   "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64,
                   "max_position_embeddings": MAX_POSITIONS, "rope_scaling": YARN}  # fmt: skip
-VERIFIER_PHASES = [(80, 3e-3)]  # steps, peak lr: trained_verifier.py's quick schedule, shorter
 AUX_LAYER_IDS = [1, 2, 3]  # every layer of the 3 (EAGLE-3 takes three)
 LENGTHS = (1024, 4096, 8192, 16384, 32768)  # target prompt lengths, less ROOM: one bucket each
 ROPE_SETTINGS = ("verifier", "none")
 SETTINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "thinking": {"temperature": 1.0, "top_p": 0.95}}
 K = 3
-SIZES = {  # prompts per length (document, session alternating), new tokens per request, draft epochs
-    "quick": {"per_length": 3, "max_new": 16, "epochs": 2, "num_train": 160},
-    "full": {"per_length": 4, "max_new": 48, "epochs": 5, "num_train": 400},
+# Prompts per length (document, session alternating), new tokens per request, draft epochs and rows; the
+# verifier's (steps, peak lr) phases: --quick's 80 steps fit the shared cores but leave it unsharp
+# (docs/results.md), the full size takes trained_verifier.py's own 1,200 steps (None).
+SIZES = {
+    "quick": {"per_length": 3, "max_new": 16, "epochs": 2, "num_train": 160, "verifier_phases": [(80, 3e-3)]},
+    "full": {"per_length": 4, "max_new": 48, "epochs": 5, "num_train": 400, "verifier_phases": None},
 }
 
 
@@ -97,8 +99,9 @@ def build_verifier(work: Path, size: dict, threads: int) -> dict[str, Any]:
         given.write_text("".join(json.dumps(r) + "\n" for r in parts["given"]))
     stats = work / "verifier" / "verifier_stats.json"
     if not stats.exists():
-        tv.train(work / "verifier", parts["verifier"], parts["heldout"], True, threads,
-                 config_overrides=VERIFIER_SHAPE, phases=VERIFIER_PHASES)  # fmt: skip
+        phases = size["verifier_phases"]
+        tv.train(work / "verifier", parts["verifier"], parts["heldout"], phases is not None, threads,
+                 config_overrides=VERIFIER_SHAPE, phases=phases)  # fmt: skip
     return json.loads(stats.read_text())
 
 
