@@ -199,9 +199,11 @@ def bigram_accuracy(train_ids: list[int], test_ids: list[int]) -> float:
 
 def train(
     out_dir: Path, rows: list[dict], heldout: list[dict], quick: bool, threads: int, seed: int = 0,
-    resume_phase1: bool = False,
+    resume_phase1: bool = False, config_overrides: dict | None = None, phases: list | None = None,
 ) -> dict:  # fmt: skip
-    """Train the verifier on `rows` for fixed steps and save it; returns its statistics."""
+    """Train the verifier on `rows` for fixed steps and save it; returns its statistics.
+    `config_overrides`: config.json keys replaced, `phases`: (steps, peak lr) per phase replaced (another
+    benchmark's shape and budget, e.g. yarn positions)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -214,7 +216,7 @@ def train(
     if not (resume_phase1 and (out_dir / "tokenizer.json").is_file()):
         build_tokenizer(texts, vocab_size, out_dir)
     tok = AutoTokenizer.from_pretrained(str(out_dir))
-    cfg_dict = verifier_config(len(tok), tok, quick)
+    cfg_dict = {**verifier_config(len(tok), tok, quick), **(config_overrides or {})}
     config = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     config.architectures = cfg_dict["architectures"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -223,7 +225,7 @@ def train(
     seq_len, batch = 256, 8
     # Fixed phases of steps (the same verifier on every machine; ~1.2-3 s a step on 2 cores here), each
     # with a fresh AdamW, a 50-step warm-up and a cosine to a tenth, its data order seeded by its index.
-    phases = [(150, 3e-3)] if quick else [(500, 3e-3), (700, 1.5e-3)]
+    phases = phases or ([(150, 3e-3)] if quick else [(500, 3e-3), (700, 1.5e-3)])
     t0, losses = time.time(), []
     first = 0
     if resume_phase1 and (out_dir / "model.safetensors").is_file():  # continue a finished first phase

@@ -1,0 +1,62 @@
+"""benchmarks/long_context.py's shortcuts against the pipeline's own maths (no long forward): its draft's
+first pass attends only from the prompt's last slot on, and its far/near ratio carries both errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tail_first_pass_counts_exactly_what_the_whole_first_pass_counts(tiny_run):
+    from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence
+    from eagle3_pipeline.models.reference_draft import ReferenceDraft
+    from eagle3_pipeline.models.verifier import draft_tensors_of
+
+    lc = _load("long_context")
+    embed = draft_tensors_of(tiny_run / "verifier")["embed_tokens"]
+    full, tail = ReferenceDraft(tiny_run / "draft", embed), lc.TailDraft(tiny_run / "draft", embed)
+    torch.manual_seed(0)
+    T, prompt_len, k = 300, 240, 3
+    aux = torch.randn(T, full.fc.shape[1])
+    seq = torch.randint(0, 256, (T,))
+    tail.query_from = prompt_len - 1
+    out_f, logits_f, cache_f = full.first_pass(aux[:-1], seq[1:], torch.arange(T - 1))
+    out_t, logits_t, cache_t = tail.first_pass(aux[:-1], seq[1:], torch.arange(T - 1))
+    assert torch.equal(cache_f.k, cache_t.k) and torch.equal(cache_f.v, cache_t.v)
+    assert torch.equal(logits_f[prompt_len - 1 :], logits_t[prompt_len - 1 :])
+    assert torch.equal(out_f[prompt_len - 1 :], out_t[prompt_len - 1 :])
+    # a trace the draft mostly follows, so rounds accept and chain steps run
+    for n in range(prompt_len + 1, T, 2):
+        seq[n] = int(full.to_target(logits_f[n - 2].argmax()[None])[0])
+    counts = {}
+    for name, draft in (("full", full), ("tail", tail)):
+        c = AcceptanceCounts(k)
+        simulate_sequence(draft, aux, seq, prompt_len, k, c)
+        counts[name] = (c.num_drafts, c.accepted_per_pos, c.steps)
+    assert counts["full"] == counts["tail"] and sum(counts["full"][1]) > 0
+
+
+def test_far_to_near_ratio_and_its_standard_error():
+    lc = _load("long_context")
+    buckets = [
+        {"context": "0-1k", "mean_acceptance_length": 2.0, "standard_error": 0.1},
+        {"context": "16k-32k", "mean_acceptance_length": 1.8, "standard_error": 0.09},
+    ]
+    r = lc.ratio(buckets, "16k-32k")
+    assert r["ratio"] == 0.9
+    assert r["standard_error"] == pytest.approx(0.9 * (0.05**2 + 0.05**2) ** 0.5, abs=1e-3)
+    assert lc.ratio(buckets[:1], "16k-32k") is None
