@@ -1,7 +1,7 @@
 """Peak memory and time of one training step (forward + backward) against the sample's length, CPU.
 
-  .venv/bin/python benchmarks/long_memory.py --quick        # tiny draft to 16k, SmolLM2-135M shapes to 4k
-  .venv/bin/python benchmarks/long_memory.py                # both to 32k where the memory cap allows
+  .venv/bin/python -m benchmarks.long_memory --quick        # tiny draft to 16k, SmolLM2-135M shapes to 4k
+  .venv/bin/python -m benchmarks.long_memory                # both to 32k where the memory cap allows
 
 Each point is one packed row holding one document of L tokens (the long-sample case: every query chunk
 of blockwise attention reads all earlier keys), random states and random draft weights (no download),
@@ -10,7 +10,7 @@ which reads its max RSS (resource.getrusage) after a 256-token warm-up step (mod
 baseline) and after the timed step: `growth` is the step's own peak above that baseline. Two kernel
 choices side by side: today's CPU default (sdpa + eager loss, speculators' forward) and the linear-memory
 one (blockwise + chunked, models/linear_memory.py). Points whose estimated peak is over --max-gb are
-skipped (the machine is shared). Writes the table and benchmarks/long_memory.json.
+skipped (the machine is shared). Writes the table and docs/results/long_memory.json.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+from benchmarks import REPO as ROOT
+from benchmarks import RESULTS
 from eagle3_pipeline.models.draft import DraftSpec, build_draft  # noqa: E402
 from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
 from eagle3_pipeline.training.train_metrics import Recipe, forward  # noqa: E402
@@ -114,7 +113,7 @@ def run_point(shape: str, impl: str, n: int, timeout: float, max_gb: float, thre
     est = estimated_gb(shape, impl, n)
     if est > max_gb:
         return {**row, "skipped": f"estimated {est:.1f} GiB > --max-gb {max_gb}"}
-    cmd = [sys.executable, __file__, "--point", shape, impl, str(n)]
+    cmd = [sys.executable, "-m", __spec__.name, "--point", shape, impl, str(n)]
     cmd += ["--threads", str(threads)] if threads else []
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS), help="only these paths")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per point (default: torch's; 1 on a machine shared with other jobs)")
-    p.add_argument("--out", default=None, help="JSON output (default: benchmarks/long_memory.json)")
+    p.add_argument("--out", default=None, help="JSON output (default: docs/results/long_memory.json)")
     p.add_argument("--point", nargs=3, metavar=("SHAPE", "IMPL", "TOKENS"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.threads:
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": machine(), "ttt_steps": TTT, "quick": a.quick, "rows": rows, "summary": summary(rows)}
     print(table(rows))
     print(json.dumps(out["summary"], indent=2))
-    path = Path(a.out) if a.out else Path(__file__).with_suffix(".json")
+    path = Path(a.out) if a.out else RESULTS / "long_memory.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -97,3 +97,30 @@ def test_the_import_checker_sees_an_upward_import(tmp_path):
     bad.write_text("from eagle3_pipeline.training import train\nimport eagle3_pipeline.data.shards\n"
                    "def f():\n    from eagle3_pipeline.sizing.plan import build\n")
     assert _imports(bad) == {"training.train", "data.shards", "sizing.plan"}
+
+
+BENCHMARKS = PKG.parent / "benchmarks"
+
+
+def _long_definitions(path: Path) -> list[str]:
+    long = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > MAX_FUNCTION_LINES:
+            long.append(f"{path.name}:{node.name}: {lines} lines")
+        if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+            long.append(f"{path.name}:{node.name}: {lines} lines")
+    return long
+
+
+def test_benchmarks_import_as_the_package_does_and_hold_no_results():
+    """benchmarks/ is run as modules from the repository root (`python -m benchmarks.X`): no file (nor a
+    program it hands to a subprocess) edits sys.path; the JSON reports live in benchmarks.RESULTS, not
+    beside the code; functions and classes within the package's limits."""
+    from benchmarks import RESULTS
+
+    sources = sorted(BENCHMARKS.rglob("*.py"))
+    assert [p.name for p in sources if "sys.path" in p.read_text()] == []
+    assert sorted(p.relative_to(BENCHMARKS).as_posix() for p in BENCHMARKS.rglob("*.json")) == []
+    assert RESULTS.is_dir() and not RESULTS.is_relative_to(BENCHMARKS) and any(RESULTS.glob("*.json"))
+    assert [x for p in sources for x in _long_definitions(p)] == []
