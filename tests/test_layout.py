@@ -124,3 +124,17 @@ def test_benchmarks_import_as_the_package_does_and_hold_no_results():
     assert sorted(p.relative_to(BENCHMARKS).as_posix() for p in BENCHMARKS.rglob("*.json")) == []
     assert RESULTS.is_dir() and not RESULTS.is_relative_to(BENCHMARKS) and any(RESULTS.glob("*.json"))
     assert [x for p in sources for x in _long_definitions(p)] == []
+
+
+def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_one_unit_first(request):
+    """scripts/test.sh's `--dist loadgroup` units (conftest.pytest_collection_modifyitems), as this session
+    collected them: a file's tests share a group (module fixtures built once), the vLLM tier's files one
+    group (one vLLM worker, tier_stages' runs once) scheduled before every other file."""
+    from conftest import VLLM_GROUP
+
+    items = request.session.items
+    groups = [(item.path.name, item.get_closest_marker("xdist_group").args[0]) for item in items]
+    want = [VLLM_GROUP if f.startswith("test_vllm_") else f.removesuffix(".py") for f, _ in groups]
+    assert groups and [g for _, g in groups] == want
+    tier = [g == VLLM_GROUP for _, g in groups]
+    assert tier == sorted(tier, reverse=True)  # every vLLM-tier test before the first other one
