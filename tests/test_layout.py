@@ -126,15 +126,18 @@ def test_benchmarks_import_as_the_package_does_and_hold_no_results():
     assert [x for p in sources for x in _long_definitions(p)] == []
 
 
-def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_one_unit_first(request):
+def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_two_units_first(request):
     """scripts/test.sh's `--dist loadgroup` units (conftest.pytest_collection_modifyitems), as this session
-    collected them: a file's tests share a group (module fixtures built once), the vLLM tier's files one
-    group (one vLLM worker, tier_stages' runs once) scheduled before every other file."""
-    from conftest import VLLM_GROUP
+    collected them: a file's tests share a group (module fixtures built once); the vLLM tier's files on
+    tier_stages' runs one group (those runs built once), the others on the MLA verifier a second; both
+    scheduled before every other file."""
+    from conftest import VLLM_GROUPS
 
     items = request.session.items
     groups = [(item.path.name, item.get_closest_marker("xdist_group").args[0]) for item in items]
-    want = [VLLM_GROUP if f.startswith("test_vllm_") else f.removesuffix(".py") for f, _ in groups]
+    runs = {item.path.name for item in items if "tier_stages" in item.fixturenames}
+    want = [VLLM_GROUPS[f not in runs] if f.startswith("test_vllm_") else f.removesuffix(".py")
+            for f, _ in groups]  # fmt: skip
     assert groups and [g for _, g in groups] == want
-    tier = [g == VLLM_GROUP for _, g in groups]
-    assert tier == sorted(tier, reverse=True)  # every vLLM-tier test before the first other one
+    rank = [VLLM_GROUPS.index(g) if g in VLLM_GROUPS else len(VLLM_GROUPS) for _, g in groups]
+    assert rank == sorted(rank)  # the tier runs' unit, then the states' unit, then every other file
