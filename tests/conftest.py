@@ -38,22 +38,32 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 VLLM_GROUPS = ("vllm_tier_runs", "vllm_states")
 
 
-def _vllm_tier(item: pytest.Item) -> bool:
-    return item.path.name.startswith("test_vllm_")
+def work_unit(path: Path) -> str:
+    """A test file's pytest-xdist work unit (scripts/test.sh): its own name (its module fixtures, some of them
+    whole tiny runs, built once), a vLLM tier file one of VLLM_GROUPS (a vLLM worker each; the files that
+    request tier_stages together, so its runs are built once)."""
+    if not path.name.startswith("test_vllm_"):
+        return path.stem
+    return VLLM_GROUPS["tier_stages" not in path.read_text()]
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's scheduling by whole work units (work_unit), in collection order. Its own `xdist_group`
+    marks do not group on pytest 9 (xdist 3.8 renames `item._nodeid`, which pytest 9's `nodeid` no longer
+    reads), so the units are named here, from the node ids the scheduler sees."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(REPO / nodeid.split("::")[0])
+
+    return Units(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The work units of pytest-xdist's `--dist loadgroup` (scripts/test.sh): a file each (its module
-    fixtures, some of them whole tiny runs, built once), and the vLLM tier's files in two units (VLLM_GROUPS:
-    a vLLM worker each, tier_stages' runs built once), put first: the longest, beside which the rest runs."""
-    on_tier_runs = {item.path for item in items if _vllm_tier(item) and "tier_stages" in item.fixturenames}
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            group = VLLM_GROUPS[item.path not in on_tier_runs] if _vllm_tier(item) else item.path.stem
-            item.add_marker(pytest.mark.xdist_group(group))
+    """The vLLM tier's two units first (the longest, beside which the rest runs), each file's order kept."""
     order = {group: n for n, group in enumerate(VLLM_GROUPS)}
-    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], len(order)))
+    items.sort(key=lambda item: order.get(work_unit(item.path), len(order)))
 
 
 def script_env(*before_repo: Path) -> dict[str, str]:

@@ -127,17 +127,16 @@ def test_benchmarks_import_as_the_package_does_and_hold_no_results():
 
 
 def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_two_units_first(request):
-    """scripts/test.sh's `--dist loadgroup` units (conftest.pytest_collection_modifyitems), as this session
-    collected them: a file's tests share a group (module fixtures built once); the vLLM tier's files on
-    tier_stages' runs one group (those runs built once), the others on the MLA verifier a second; both
-    scheduled before every other file."""
-    from conftest import VLLM_GROUPS
+    """scripts/test.sh's pytest-xdist units (conftest.work_unit, its scheduler), on this session's tests: a
+    file is its own unit (module fixtures built once); the vLLM tier's files whose tests use tier_stages' runs
+    one unit (those runs built once), the others a second; both before every other file."""
+    from conftest import VLLM_GROUPS, work_unit
 
     items = request.session.items
-    groups = [(item.path.name, item.get_closest_marker("xdist_group").args[0]) for item in items]
-    runs = {item.path.name for item in items if "tier_stages" in item.fixturenames}
-    want = [VLLM_GROUPS[f not in runs] if f.startswith("test_vllm_") else f.removesuffix(".py")
-            for f, _ in groups]  # fmt: skip
-    assert groups and [g for _, g in groups] == want
-    rank = [VLLM_GROUPS.index(g) if g in VLLM_GROUPS else len(VLLM_GROUPS) for _, g in groups]
+    runs = {item.path for item in items if "tier_stages" in item.fixturenames}
+    want = [VLLM_GROUPS[item.path not in runs] if item.path.name.startswith("test_vllm_") else item.path.stem
+            for item in items]  # fmt: skip
+    units = [work_unit(item.path) for item in items]
+    assert units and units == want
+    rank = [VLLM_GROUPS.index(u) if u in VLLM_GROUPS else len(VLLM_GROUPS) for u in units]
     assert rank == sorted(rank)  # the tier runs' unit, then the states' unit, then every other file
