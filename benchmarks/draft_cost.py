@@ -19,7 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import REPO
+
 KIMI_CONFIG = REPO / "configs" / "kimi_k25.toml"
 BATCH_SIZES = (1, 16, 64)  # = speedup.BATCH_SIZES, the batches its report holds (checked in the tests)
 KIMI_TP = 8  # one node of 8 GPUs, tensor parallel: how the docs' speedup tables serve Kimi-K2.5

@@ -1,6 +1,6 @@
 """Draft quality: this project's recipe vs speculators 0.9.0's defaults, served in vLLM, in one run.
 
-  .venv/bin/python benchmarks/draft_quality.py [--quick] [--work-dir outputs/draft_quality] [--ablations]
+  .venv/bin/python -m benchmarks.draft_quality [--quick] [--work-dir outputs/draft_quality] [--ablations]
 
 1. A trained DeepSeek-V3 verifier (MLA with Kimi-K2.5's 576-wide latent, MoE), built once and cached
    in the work dir (benchmarks/trained_verifier.py: Python's own documentation, bounded CPU budget),
@@ -45,7 +45,7 @@ vLLM's default (2, N//2, N-3), the draft vocabulary is reduced (`--draft-vocab-s
 simulated). The verifier's sharpness (mean processed p(argmax) along its own traces) is measured at each
 setting. Results: docs/real_verifier_benchmark.md, for example
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/draft_quality.py --verifier smollm2 \
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.draft_quality --verifier smollm2 \
         --work-dir /work/bench/smollm2 --threads 1 --num-train 160 --num-heldout 32 \
         --regen-max-new-tokens 128 --max-new-tokens 48 --samples-per-prompt 1 --contexts short \
         --settings greedy thinking_prob --vllm-ks 3 --full-vocab
@@ -60,15 +60,12 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import draft_cost  # noqa: E402 - after the path
-from eagle3_pipeline.core.config import SERVED_MODES  # noqa: E402 - after the path
+from benchmarks import REPO, draft_cost
+from eagle3_pipeline.core.config import SERVED_MODES
 
 K = 3  # the headline k; the --ks are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5, 8)  # every k the benchmark serves or simulates (8: a parallel draft's deepest, issue 27)
@@ -257,7 +254,7 @@ def sh(args: list[str], log: Path, threads: int) -> None:
 
 def build_data(work: Path, quick: bool, num_train: int | None = None, num_heldout: int | None = None
                ) -> dict[str, Any]:
-    import trained_verifier as tv
+    from benchmarks import trained_verifier as tv
 
     parts = tv.splits(tv.conversations(), num_train=num_train or (160 if quick else 400),
                       num_heldout=num_heldout or (32 if quick else 64))  # fmt: skip
@@ -277,11 +274,11 @@ def build_verifier(
     (real_verifier.py)."""
     path = work / "verifier"
     if kind == "smollm2":
-        import real_verifier
+        from benchmarks import real_verifier
 
         meta = real_verifier.build(path)
         return {**meta, "config": json.loads((path / "config.json").read_text())}
-    import trained_verifier as tv
+    from benchmarks import trained_verifier as tv
 
     stats_file = path / "verifier_stats.json"
     if not stats_file.exists():
@@ -382,8 +379,8 @@ def speculators_run(
         )
     if not (out / "checkpoints").exists():
         code = (
-            "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
-            f"import speculators_baseline as b; r = Path({str(root)!r}); "
+            "from pathlib import Path; from benchmarks import speculators_baseline as b; "
+            f"r = Path({str(root)!r}); "
             f"b.train(r / 'hidden_states', r / 'split', r / 'vocab', r / 'runs' / {run!r}, {steps}, "
             f"1024, 1024, peagle_depths={peagle_depths})"
         )
@@ -615,7 +612,7 @@ def serve_in_vllm(
                         ) / len(ev.prompts)
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller verifier and data: ~10 minutes")
     p.add_argument("--verifier", default="trained-mla", choices=["trained-mla", "smollm2"],
@@ -682,36 +679,55 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     p.add_argument(
         "--sim-only", action="store_true", help="regenerate with vLLM, evaluate by simulation only"
     )
-    a = p.parse_args(argv)
-    import torch
+    return p
 
-    torch.set_num_threads(a.threads)
-    work = Path(a.work_dir or REPO / "outputs" / ("draft_quality_quick" if a.quick else "draft_quality"))
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "benchmark.log"
-    t_start = time.time()
-    phases: dict[str, float] = {}  # wall seconds of each phase: the cost
 
-    def phase(name: str, t0: float) -> None:
-        phases[name] = round(time.time() - t0, 1)
-        print(f"phase {name}: {phases[name]:.0f} s", flush=True)
+@dataclass
+class Bench:
+    """One invocation's state as its phases fill it: the drafts trained, the rows to evaluate, the cost."""
 
-    t = time.time()
-    parts = build_data(work, a.quick, a.num_train, a.num_heldout)
-    vstats = build_verifier(work, parts, a.quick, a.threads, a.verifier)
-    phase("verifier", t)
-    vcfg = vstats["config"]
-    hidden = {"heads": vcfg["num_attention_heads"], "intermediate": vcfg["intermediate_size"],
-              # the trained verifier's benchmark has always drafted with as many KV heads as heads
-              "kv_heads": vcfg["num_key_value_heads"] if a.verifier == "smollm2"
-              else vcfg["num_attention_heads"]}  # fmt: skip
+    a: argparse.Namespace
+    work: Path
+    log: Path
+    vstats: dict[str, Any] = field(default_factory=dict)
+    hidden: dict[str, Any] = field(default_factory=dict)
+    modes: dict[str, str | None] = field(default_factory=dict)
+    draft_vocab: int = 0
+    datasets: dict[str, Path] = field(default_factory=dict)
+    drafts: dict[str, Path] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase: the cost
+    t_start: float = field(default_factory=time.time)
+
+    def phase(self, name: str, t0: float) -> None:
+        self.phases[name] = round(time.time() - t0, 1)
+        print(f"phase {name}: {self.phases[name]:.0f} s", flush=True)
+
+
+def _verifier(b: Bench) -> dict[str, Any]:
+    """The verifier in the work dir and the training/held-out conversations (phase "verifier")."""
+    a, t = b.a, time.time()
+    parts = build_data(b.work, a.quick, a.num_train, a.num_heldout)
+    b.vstats = build_verifier(b.work, parts, a.quick, a.threads, a.verifier)
+    b.phase("verifier", t)
+    vcfg = b.vstats["config"]
+    b.hidden = {"heads": vcfg["num_attention_heads"], "intermediate": vcfg["intermediate_size"],
+                # the trained verifier's benchmark has always drafted with as many KV heads as heads
+                "kv_heads": vcfg["num_key_value_heads"] if a.verifier == "smollm2"
+                else vcfg["num_attention_heads"]}  # fmt: skip
     if a.verifier == "smollm2":
-        print(f"verifier: SmolLM2-135M-Instruct ({vstats['parameters'] / 1e6:.1f}M params, "
-              f"from {vstats['source']})")
+        print(f"verifier: SmolLM2-135M-Instruct ({b.vstats['parameters'] / 1e6:.1f}M params, "
+              f"from {b.vstats['source']})")
     else:
-        print(f"verifier: {vstats['parameters'] / 1e6:.1f}M params | held-out next-token accuracy "
-              f"{vstats['heldout_next_token_accuracy']:.3f} vs bigram "
-              f"{vstats['bigram_heldout_next_token_accuracy']:.3f}")  # fmt: skip
+        print(f"verifier: {b.vstats['parameters'] / 1e6:.1f}M params | held-out next-token accuracy "
+              f"{b.vstats['heldout_next_token_accuracy']:.3f} vs bigram "
+              f"{b.vstats['bigram_heldout_next_token_accuracy']:.3f}")  # fmt: skip
+    return parts
+
+
+def _data_sets(b: Bench) -> None:
+    """Stage 00 for the data sets the rows need, then stages 01-03 on each."""
+    a, work, log = b.a, b.work, b.log
     engine = "hf" if a.no_vllm else "vllm"
     regen = ["--verifier-path", str(work / "verifier"), "--data-path", str(work / "data/given.jsonl"),
              "--engine", engine, "--max-new-tokens", str(a.regen_max_new_tokens),
@@ -721,123 +737,136 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     if "regenerated" in needed:
         t = time.time()
         sh(["00_regenerate.py", *regen, "--out-dir", str(work / "data/regenerated")], log, a.threads)
-        phase("regenerate greedy", t)
+        b.phase("regenerate greedy", t)
     for seed in sorted({s for ds in needed for s in thinking_seeds(ds)}):
         t = time.time()
         sh(["00_regenerate.py", *regen, "--out-dir", str(thinking_dir(work, seed)),
             "--temperature", "1.0", "--top-p", "0.95", "--seed", str(seed)], log, a.threads)  # fmt: skip
-        phase("regenerate thinking 1.0/0.95" + (f", seed {seed}" if seed else ""), t)
-    modes = {**RECIPE_MODE, **({"given": a.given_recipe} if a.given_recipe else {})}
-    draft_vocab = a.draft_vocab_size or (8192 if a.verifier == "smollm2" else 1024)
+        b.phase("regenerate thinking 1.0/0.95" + (f", seed {seed}" if seed else ""), t)
+    b.modes = {**RECIPE_MODE, **({"given": a.given_recipe} if a.given_recipe else {})}
+    b.draft_vocab = a.draft_vocab_size or (8192 if a.verifier == "smollm2" else 1024)
     aux_ids = aux_layer_ids(work, a.verifier)
     t = time.time()
-    datasets = {ds: prepare(work, ds, data_source(work, ds), log, a.threads, draft_vocab, aux_ids=aux_ids)
-                for ds in needed}  # fmt: skip
-    phase(f"stages 01-03 ({len(needed)} data sets)", t)
-    t = time.time()
-    prompts = heldout_prompts(work)[: a.eval_prompts]
-    rows: list[dict[str, Any]] = []
-    drafts: dict[str, Path] = {}
-    for ds, root in datasets.items():
+    b.datasets = {ds: prepare(work, ds, data_source(work, ds), log, a.threads, b.draft_vocab, aux_ids=aux_ids)
+                  for ds in needed}  # fmt: skip
+    b.phase(f"stages 01-03 ({len(needed)} data sets)", t)
+
+
+def _train_headline(b: Bench) -> None:
+    a, log, t = b.a, b.log, time.time()
+    for ds, root in b.datasets.items():
         steps = a.steps or planned_steps(root, a.epochs, 1024)
         if f"speculators/{ds}" in a.headline:
             run = speculators_run(root, "speculators", steps, log, a.threads)
-            drafts[f"speculators/{ds}"] = export(run, log, a.threads)
-            rows.append({"recipe": "speculators", "data": ds, "steps": steps})
+            b.drafts[f"speculators/{ds}"] = export(run, log, a.threads)
+            b.rows.append({"recipe": "speculators", "data": ds, "steps": steps})
         if f"project/{ds}" in a.headline:
-            name, recipe = project_recipe(a.project_run, ds, modes)
-            run = project_train(root, name, steps, recipe, log, a.threads, hidden)
-            drafts[f"project/{ds}"] = export(run, log, a.threads)
-            rows.append({"recipe": "project", "data": ds, "steps": steps})
-    phase("train + export headline rows", t)
-    t = time.time()
+            name, recipe = project_recipe(a.project_run, ds, b.modes)
+            run = project_train(root, name, steps, recipe, log, a.threads, b.hidden)
+            b.drafts[f"project/{ds}"] = export(run, log, a.threads)
+            b.rows.append({"recipe": "project", "data": ds, "steps": steps})
+    b.phase("train + export headline rows", t)
+
+
+def _train_variants(b: Bench) -> None:
+    """The simulated-only rows: the full draft vocabulary, other shard dtypes, the ablations."""
+    a, work, log, t = b.a, b.work, b.log, time.time()
     if a.full_vocab:  # the thinking recipe with every verifier token in the draft vocabulary
-        root = datasets["regenerated_t1"]
-        vocab_dir = full_vocab(root, int(vcfg["vocab_size"]), log, a.threads)
+        root = b.datasets["regenerated_t1"]
+        vocab_dir = full_vocab(root, int(b.vstats["config"]["vocab_size"]), log, a.threads)
         steps = planned_steps(root, a.epochs, 1024)
-        name, recipe = project_recipe(f"{a.project_run}_fullvocab", "regenerated_t1", modes)
-        run = project_train(root, name, steps, recipe, log, a.threads, hidden, vocab_dir)
-        drafts["project full vocab/regenerated_t1"] = export(run, log, a.threads)
-        rows.append({"recipe": "project full vocab", "data": "regenerated_t1", "steps": steps,
-                     "ablation": True, "all_ks": True})  # fmt: skip
-        phase("full-vocab row", t)
+        name, recipe = project_recipe(f"{a.project_run}_fullvocab", "regenerated_t1", b.modes)
+        run = project_train(root, name, steps, recipe, log, a.threads, b.hidden, vocab_dir)
+        b.drafts["project full vocab/regenerated_t1"] = export(run, log, a.threads)
+        b.rows.append({"recipe": "project full vocab", "data": "regenerated_t1", "steps": steps,
+                       "ablation": True, "all_ks": True})  # fmt: skip
+        b.phase("full-vocab row", t)
         t = time.time()
     stored = {"fp8": ("float8_e4m3fn", a.fp8), "bf16": ("bfloat16", a.bf16)}  # the recipe on other shards
     for short, (dtype, wanted) in stored.items():
         if not wanted:
             continue
         regen = work / "data/regenerated/conversations.jsonl"
-        root = prepare(work, f"regenerated_{short}", regen, log, a.threads, draft_vocab, ("--storage-dtype", dtype))
+        root = prepare(work, f"regenerated_{short}", regen, log, a.threads, b.draft_vocab,
+                       ("--storage-dtype", dtype))  # fmt: skip
         steps = planned_steps(root, a.epochs, 1024)
-        drafts[f"project {short} shards/regenerated"] = export(project_train(root, a.project_run, steps, [], log,
-                                                                             a.threads, hidden), log, a.threads)  # fmt: skip
-        rows.append({"recipe": f"project {short} shards", "data": "regenerated", "steps": steps, "ablation": True})
-    if a.ablations:  # one factor changed at a time, shorter runs, side by side
-        from concurrent.futures import ThreadPoolExecutor
-
-        root = datasets[a.ablation_data]
-        steps = planned_steps(root, a.ablation_epochs, 1024)
-        threads = max(1, a.threads // a.jobs)
-        chosen = only_ablations({**ablation_rows(vcfg), SPECULATORS_PEAGLE_ROW: []}, a.only_ablations)
-        variants = {"project (defaults)": [], SPECULATORS_ROW: [], **chosen}
-
-        def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
-            name, extra = item
-            headline_run, recipe = project_recipe(a.project_run, a.ablation_data, modes)
-            run = f"abl{a.ablation_epochs}-{headline_run}-" + "".join(c if c.isalnum() else "_" for c in name)
-            if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
-                # the headline run on this data set is the same training: not run twice (its folder is
-                # cached even when this invocation's --headline leaves it out)
-                headline = f"{'speculators' if name == SPECULATORS_ROW else 'project'}/{a.ablation_data}"
-                if headline in drafts:
-                    return name, drafts[headline]
-                run = "speculators" if name == SPECULATORS_ROW else headline_run
-            if name in SPECULATORS_ROWS:
-                return name, export(speculators_run(root, run, steps, log, threads, SPECULATORS_ROWS[name]), log,
-                                    threads)  # fmt: skip
-            return name, export(project_train(root, run, steps, [*recipe, *extra], log, threads, hidden), log,
-                                threads)  # fmt: skip
-
-        with ThreadPoolExecutor(a.jobs) as pool:
-            for name, draft in pool.map(one, variants.items()):
-                drafts[f"{name}/{a.ablation_data}/ablation"] = draft
-                rows.append({"recipe": name, "data": a.ablation_data, "steps": steps, "ablation": True,
-                             "all_ks": a.ablations_every_k})  # fmt: skip
-    aux_ids = json.loads((next(iter(drafts.values())) / "config.json").read_text())[
-        "eagle_aux_hidden_state_layer_ids"
-    ]
+        run = project_train(root, a.project_run, steps, [], log, a.threads, b.hidden)
+        b.drafts[f"project {short} shards/regenerated"] = export(run, log, a.threads)
+        b.rows.append({"recipe": f"project {short} shards", "data": "regenerated", "steps": steps,
+                       "ablation": True})  # fmt: skip
     if a.ablations:
-        phase("ablation trainings", t)
-    sharp: dict[str, float] = {}
-    if a.sharpness_prompts:
-        import real_verifier
+        _train_ablations(b)
+        b.phase("ablation trainings", t)
 
-        t = time.time()
-        sharp = real_verifier.sharpness(work / "verifier", prompts[: a.sharpness_prompts],
-                                        {"greedy": {}, **{m: _SAMPLED[m] for m in ("thinking", "instant")}},
-                                        a.max_new_tokens)  # fmt: skip
-        print(f"verifier sharpness (mean processed p(argmax), own traces): {sharp}", flush=True)
-        phase("sharpness", t)
+
+def _train_ablations(b: Bench) -> None:
+    """One factor changed at a time, shorter runs, side by side (--jobs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, log = b.a, b.log
+    root = b.datasets[a.ablation_data]
+    steps = planned_steps(root, a.ablation_epochs, 1024)
+    threads = max(1, a.threads // a.jobs)
+    rows = {**ablation_rows(b.vstats["config"]), SPECULATORS_PEAGLE_ROW: []}
+    chosen = only_ablations(rows, a.only_ablations)
+    variants = {"project (defaults)": [], SPECULATORS_ROW: [], **chosen}
+
+    def one(item: tuple[str, list[str]]) -> tuple[str, Path]:
+        name, extra = item
+        headline_run, recipe = project_recipe(a.project_run, a.ablation_data, b.modes)
+        run = f"abl{a.ablation_epochs}-{headline_run}-" + "".join(c if c.isalnum() else "_" for c in name)
+        if a.ablation_epochs == a.epochs and name in ("project (defaults)", SPECULATORS_ROW):
+            # the headline run on this data set is the same training: not run twice (its folder is
+            # cached even when this invocation's --headline leaves it out)
+            headline = f"{'speculators' if name == SPECULATORS_ROW else 'project'}/{a.ablation_data}"
+            if headline in b.drafts:
+                return name, b.drafts[headline]
+            run = "speculators" if name == SPECULATORS_ROW else headline_run
+        if name in SPECULATORS_ROWS:
+            return name, export(speculators_run(root, run, steps, log, threads, SPECULATORS_ROWS[name]), log,
+                                threads)  # fmt: skip
+        return name, export(project_train(root, run, steps, [*recipe, *extra], log, threads, b.hidden), log,
+                            threads)  # fmt: skip
+
+    with ThreadPoolExecutor(a.jobs) as pool:
+        for name, draft in pool.map(one, variants.items()):
+            b.drafts[f"{name}/{a.ablation_data}/ablation"] = draft
+            b.rows.append({"recipe": name, "data": a.ablation_data, "steps": steps, "ablation": True,
+                           "all_ks": a.ablations_every_k})  # fmt: skip
+
+
+def _sharpness(b: Bench, prompts: list) -> dict[str, float]:
+    if not b.a.sharpness_prompts:
+        return {}
+    from benchmarks import real_verifier
+
     t = time.time()
-    long = long_prompts(work, a.max_new_tokens) if "long" in a.contexts else []
-    evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt, tuple(a.ks))
-           for ctx, ps in (("short", prompts), ("long", long)) if ctx in a.contexts}  # fmt: skip
-    settings = [st for st in SETTINGS if st in a.settings]
+    sharp = real_verifier.sharpness(b.work / "verifier", prompts[: b.a.sharpness_prompts],
+                                    {"greedy": {}, **{m: _SAMPLED[m] for m in ("thinking", "instant")}},
+                                    b.a.max_new_tokens)  # fmt: skip
+    print(f"verifier sharpness (mean processed p(argmax), own traces): {sharp}", flush=True)
+    b.phase("sharpness", t)
+    return sharp
+
+
+def _simulate_rows(b: Bench, evs: dict[str, Evaluator], settings: list[str]) -> None:
+    """Every row's draft simulated at every (context, setting, k) of its grid; a reused draft is not rerun."""
+    a, t = b.a, time.time()
     grid = [("short", st, k) for st in settings for k in a.ks] + [("long", st, K) for st in settings]
     grid = [g for g in grid if g[0] in a.contexts]
-    done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation: a reused draft is not rerun
-    for row in rows:
+    done: dict[tuple, tuple] = {}  # (draft, context, setting, k) -> simulation
+    for row in b.rows:
         key = f"{row['recipe']}/{row['data']}" + (
             "/ablation"
             if row.get("ablation") and not row["recipe"].endswith((" shards", " full vocab"))
             else ""
         )
-        row["draft"] = str(drafts[key])
+        row["draft"] = str(b.drafts[key])
         row["sim"], row["greedy"] = {}, None
         all_ks = not row.get("ablation") or row.get("all_ks")
         for ctx, st, k in grid if all_ks else [("short", st, K) for st in settings]:
             if (row["draft"], ctx, st, k) not in done:
-                done[row["draft"], ctx, st, k] = evs[ctx].simulate(drafts[key], st, k)
+                done[row["draft"], ctx, st, k] = evs[ctx].simulate(b.drafts[key], st, k)
                 res = done[row["draft"], ctx, st, k][0]
                 print(f"sim | {row['recipe']} | {row['data']} | {setting_key(st, k, ctx)} AL "
                       f"{res['mean_acceptance_length']:.3f} ± {res['al_standard_error']:.3f} | "
@@ -845,42 +874,72 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             row["sim"][setting_key(st, k, ctx)], outputs = done[row["draft"], ctx, st, k]
             if st == "greedy" and k == K and ctx == "short":
                 row["greedy"] = outputs
-        row["readback"] = json.loads((drafts[key] / "export_meta.json").read_text())["readback"]
-        row["cost"] = draft_cost.cell_costs(drafts[key].parent, row["sim"])  # forwards, KV, Kimi speedup
-    phase("simulation (traces + every draft)", t)
-    # the simulated results before vLLM starts (a run stopped while serving keeps them)
-    (work / f"{Path(a.report or 'draft_quality.json').stem}_sim.json").write_text(json.dumps(
-        {"rows": [{x: v for x, v in r.items() if x != "greedy"} for r in rows], "sharpness": sharp,
-         "phase_seconds": phases}, indent=2))  # fmt: skip
-    if not (a.no_vllm or a.sim_only):
-        t = time.time()
-        serve_in_vllm(work, rows, evs, a.max_new_tokens, a.vllm_ks, settings)
-        phase("vLLM serving", t)
-    for row in rows:
-        row.pop("greedy")
-    report = {
+        row["readback"] = json.loads((b.drafts[key] / "export_meta.json").read_text())["readback"]
+        row["cost"] = draft_cost.cell_costs(b.drafts[key].parent, row["sim"])  # forwards, KV, Kimi speedup
+    b.phase("simulation (traces + every draft)", t)
+
+
+def _report(b: Bench, parts: dict, prompts: list, long: list, sharp: dict, aux_ids: list[int],
+            settings: list[str]) -> dict[str, Any]:  # fmt: skip
+    a = b.a
+    return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, threads {a.threads}",
         "versions": __import__("eagle3_pipeline.core.storage", fromlist=["versions"]).versions(),
-        "verifier": {k: v for k, v in vstats.items() if k != "config"},
+        "verifier": {k: v for k, v in b.vstats.items() if k != "config"},
         "num_prompts": len(prompts),
         "contexts": a.contexts,
         "verifier_kind": a.verifier,
         "sharpness": sharp,
-        "draft_vocab_size": draft_vocab,
+        "draft_vocab_size": b.draft_vocab,
         "aux_layer_ids": aux_ids,
         "num_train_conversations": len(parts["given"]),
         "regen_max_new_tokens": a.regen_max_new_tokens,
         "epochs": a.epochs,
-        "phase_seconds": phases,
+        "phase_seconds": b.phases,
         "long_prompts": {"num": len(long),
                          "tokens": [min(map(len, long)), max(map(len, long))] if long else []},
         "max_new_tokens": a.max_new_tokens,
         "served_ks": sorted(a.ks),
         "settings": {st: SETTINGS[st] for st in settings},
         "samples_per_prompt": a.samples_per_prompt,
-        "rows": rows,
-        "seconds": round(time.time() - t_start),
+        "rows": b.rows,
+        "seconds": round(time.time() - b.t_start),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    work = Path(a.work_dir or REPO / "outputs" / ("draft_quality_quick" if a.quick else "draft_quality"))
+    work.mkdir(parents=True, exist_ok=True)
+    b = Bench(a, work, work / "benchmark.log")
+    parts = _verifier(b)
+    _data_sets(b)
+    _train_headline(b)
+    _train_variants(b)
+    aux_ids = json.loads((next(iter(b.drafts.values())) / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"
+    ]
+    prompts = heldout_prompts(work)[: a.eval_prompts]
+    sharp = _sharpness(b, prompts)
+    long = long_prompts(work, a.max_new_tokens) if "long" in a.contexts else []
+    evs = {ctx: Evaluator(work, ps, a.max_new_tokens, aux_ids, a.samples_per_prompt, tuple(a.ks))
+           for ctx, ps in (("short", prompts), ("long", long)) if ctx in a.contexts}  # fmt: skip
+    settings = [st for st in SETTINGS if st in a.settings]
+    _simulate_rows(b, evs, settings)
+    # the simulated results before vLLM starts (a run stopped while serving keeps them)
+    (work / f"{Path(a.report or 'draft_quality.json').stem}_sim.json").write_text(json.dumps(
+        {"rows": [{x: v for x, v in r.items() if x != "greedy"} for r in b.rows], "sharpness": sharp,
+         "phase_seconds": b.phases}, indent=2))  # fmt: skip
+    if not (a.no_vllm or a.sim_only):
+        t = time.time()
+        serve_in_vllm(work, b.rows, evs, a.max_new_tokens, a.vllm_ks, settings)
+        b.phase("vLLM serving", t)
+    for row in b.rows:
+        row.pop("greedy")
+    report = _report(b, parts, prompts, long, sharp, aux_ids, settings)
     _print_table(report)
     out = work / (a.report or ("draft_quality_ablations.json" if a.ablations else "draft_quality.json"))
     out.write_text(json.dumps(report, indent=2))

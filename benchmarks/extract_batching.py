@@ -1,6 +1,6 @@
 """Extraction throughput: right-padded batches vs one sequence per forward, in one run.
 
-  .venv/bin/python benchmarks/extract_batching.py [--arch deepseek_v3|llama] [--threads 1]
+  .venv/bin/python -m benchmarks.extract_batching [--arch deepseek_v3|llama] [--threads 1]
 
 Prints verifier tokens (real, not padding) per second for each --max-batch-tokens setting and the ratio
 to the batch-of-one baseline, on a tiny verifier made locally and the shipped conversations repeated.
@@ -9,21 +9,19 @@ to the batch-of-one baseline, on a tiny verifier made locally and the shipped co
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
-
+from benchmarks import REPO
 from eagle3_pipeline.data.conversations import normalize_messages, read_rows, tokenize_conversation
 from eagle3_pipeline.data.extract import _forward_batched
 from eagle3_pipeline.models.tiny import build_verifier
 from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "conversations.jsonl"
+DATA = REPO / "tests" / "data" / "conversations.jsonl"
 
 
 def main() -> None:

@@ -11,11 +11,11 @@ hf: transformers, torch threads as --threads; vllm: vLLM's extract_hidden_states
 wall, medians of interleaved runs (this machine is shared and noisy). The bare programs' own timings
 (load, forward) are reported beside it. Data: tests/data/conversations.jsonl repeated under fresh ids.
 
-    .venv/bin/python benchmarks/extract_overhead.py                 # 400 rows, both engines
-    .venv/bin/python benchmarks/extract_overhead.py --rows 200 --repeats 5 \
-        --out benchmarks/extract_overhead_200.json                  # the 200-row run in docs/results.md
-    .venv/bin/python benchmarks/extract_overhead.py --engines hf    # hf only (no vLLM environment)
-    .venv/bin/python benchmarks/extract_overhead.py --quick         # 40 rows, one run each
+    .venv/bin/python -m benchmarks.extract_overhead                 # 400 rows, both engines
+    .venv/bin/python -m benchmarks.extract_overhead --rows 200 --repeats 5 \
+        --out docs/results/extract_overhead_200.json                  # the 200-row run in docs/results.md
+    .venv/bin/python -m benchmarks.extract_overhead --engines hf    # hf only (no vLLM environment)
+    .venv/bin/python -m benchmarks.extract_overhead --quick         # 40 rows, one run each
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import REPO, RESULTS
+
 AUX = [1, 4, 7]
 BARE_HF = r"""
 import json, sys, time
@@ -53,13 +53,12 @@ print(json.dumps({"load_s": load_s, "forward_s": time.perf_counter() - t0}))
 """
 BARE_VLLM = r"""
 import json, os, sys, time
-sys.path.insert(0, sys.argv[1])
 from eagle3_vllm import worker as w
 from eagle3_vllm.protocol import load_request
 from safetensors.torch import load_file
 from vllm import LLM, SamplingParams
-req = load_request(sys.argv[2])
-blocks = json.loads(open(sys.argv[3]).read())
+req = load_request(sys.argv[1])
+blocks = json.loads(open(sys.argv[2]).read())
 t0 = time.perf_counter()
 llm = LLM(**w.engine_kwargs(req))
 load_s = time.perf_counter() - t0
@@ -108,19 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the hf runs (default 1)")
     p.add_argument("--arch", default="kimi_mla", help="tiny verifier (eagle3_pipeline/models/tiny.py --arch)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved; medians reported")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "extract_overhead.json"))
+    p.add_argument("--out", default=str(RESULTS / "extract_overhead.json"))
     a = p.parse_args(argv)
     if a.quick:
         a.rows, a.repeats = 40, 1
     rows_per_part = 16
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": str(a.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads),
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
     from eagle3_pipeline.vllm_side import vllm_engine
     from eagle3_pipeline.data.config import ExtractConfig
     from eagle3_pipeline.vllm_side.extract_vllm import engine_fields, vllm_version
@@ -136,18 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="extract-overhead-") as tmp:
         tmp_path = Path(tmp)
         verifier = tmp_path / "verifier"
-        subprocess.run(
-            [sys.executable, "-m", "eagle3_pipeline.models.tiny", "--arch", a.arch, "--out", str(verifier)],
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-        src = [json.loads(x) for x in (REPO / "tests/data/conversations.jsonl").read_text().splitlines()]
-        src = [r for r in src if "messages" in r or "conversations" in r]
-        data = tmp_path / "rows.jsonl"
-        with open(data, "w") as f:
-            for i in range(a.rows):
-                f.write(json.dumps({**src[i % len(src)], "id": f"row-{i}"}) + "\n")
+        subprocess.run([sys.executable, "-m", "eagle3_pipeline.models.tiny", "--arch", a.arch, "--out",
+                        str(verifier)], env=env, check=True, capture_output=True)  # fmt: skip
+        data = _rows_file(tmp_path / "rows.jsonl", a.rows)
         blocks = tmp_path / "blocks.json"
         report["tokens"] = _bare_blocks(verifier, data, rows_per_part, blocks)
         stage = [
@@ -180,45 +164,58 @@ def main(argv: list[str] | None = None) -> int:
         request.write_text(json.dumps({**fields, "storage_path": str(tmp_path / "bare_states")}))
         bare = {
             "hf": [sys.executable, "-c", BARE_HF, str(verifier), str(blocks), str(a.threads)],
-            "vllm": [
-                str(vllm_engine.default_python()),
-                "-c",
-                BARE_VLLM,
-                str(vllm_engine.REPO_ROOT),
-                str(request),
-                str(blocks),
-            ],
+            "vllm": [str(vllm_engine.default_python()), "-c", BARE_VLLM, str(request), str(blocks)],
         }
         for engine in a.engines:
-            runs: dict[str, list[float]] = {"stage": [], "bare": [], "load": [], "forward": []}
-            for r in range(a.repeats):  # interleaved, medians: this machine is shared and noisy
-                out_dir = tmp_path / f"hs-{engine}-{r}"
-                runs["stage"].append(_wall([*stage, "--engine", engine, "--out-dir", str(out_dir)], env)[0])
-                wall, stdout = _wall(bare[engine], env)
-                inner = json.loads(stdout.strip().splitlines()[-1])
-                runs["bare"].append(wall)
-                runs["load"].append(inner["load_s"])
-                runs["forward"].append(inner["forward_s"])
-            med = {k: statistics.median(v) for k, v in runs.items()}
-            report["engines"][engine] = {
-                "stage01_wall_s": round(med["stage"], 2),
-                "bare_wall_s": round(med["bare"], 2),
-                "bare_load_s": round(med["load"], 2),
-                "bare_forward_s": round(med["forward"], 2),
-                "ratio": round(med["stage"] / med["bare"], 3),
-                "ratio_vs_load_and_forward": round(med["stage"] / (med["load"] + med["forward"]), 3),
-                "runs_s": runs,
-            }
+            stage_of = [*stage, "--engine", engine, "--out-dir"]
+            runs = _engine_runs(stage_of, bare[engine], env, a.repeats, tmp_path / engine)
+            report["engines"][engine] = runs
+    _print_table(report)
+    Path(a.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _rows_file(path: Path, n: int) -> Path:
+    """`n` rows: the shipped conversations repeated under fresh ids."""
+    src = [json.loads(x) for x in (REPO / "tests/data/conversations.jsonl").read_text().splitlines()]
+    src = [r for r in src if "messages" in r or "conversations" in r]
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({**src[i % len(src)], "id": f"row-{i}"}) + "\n")
+    return path
+
+
+def _engine_runs(stage_of: list[str], bare: list[str], env: dict[str, str], repeats: int, out: Path) -> dict:
+    """Stage 01 (`stage_of` + an out dir) and the bare program, interleaved `repeats` times: medians."""
+    runs: dict[str, list[float]] = {"stage": [], "bare": [], "load": [], "forward": []}
+    for r in range(repeats):  # interleaved, medians: this machine is shared and noisy
+        runs["stage"].append(_wall([*stage_of, str(out / f"hs-{r}")], env)[0])
+        wall, stdout = _wall(bare, env)
+        inner = json.loads(stdout.strip().splitlines()[-1])
+        runs["bare"].append(wall)
+        runs["load"].append(inner["load_s"])
+        runs["forward"].append(inner["forward_s"])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "stage01_wall_s": round(med["stage"], 2),
+        "bare_wall_s": round(med["bare"], 2),
+        "bare_load_s": round(med["load"], 2),
+        "bare_forward_s": round(med["forward"], 2),
+        "ratio": round(med["stage"] / med["bare"], 3),
+        "ratio_vs_load_and_forward": round(med["stage"] / (med["load"] + med["forward"]), 3),
+        "runs_s": runs,
+    }
+
+
+def _print_table(report: dict) -> None:
     print("| engine | rows | tokens | stage 01 wall | bare wall (load, forward inside) | ratio |")
     print("|---|---|---|---|---|---|")
     for engine, e in report["engines"].items():
         bare_s = f"{e['bare_wall_s']:.1f} s ({e['bare_load_s']:.1f}, {e['bare_forward_s']:.1f})"
         print(
-            f"| {engine} | {a.rows} | {report['tokens']:,} | {e['stage01_wall_s']:.1f} s | {bare_s} | "
-            f"**{e['ratio']:.2f}x** |"
+            f"| {engine} | {report['rows']} | {report['tokens']:,} | {e['stage01_wall_s']:.1f} s | "
+            f"{bare_s} | **{e['ratio']:.2f}x** |"
         )
-    Path(a.out).write_text(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ samples over max_seq_len, the largest micro-batch, where in the epoch the longes
 and the seconds to build the epoch. The synthetic set is log-normal (median 3,000 tokens, sigma 1.0, at
 most 60,000): a stand-in with a long tail, not Kimi-K2.5's measured lengths.
 
-    python benchmarks/length_mix.py --tiny-run runs/tiny            # prints a table, writes length_mix.json
-    python benchmarks/length_mix.py --tiny-run runs/tiny --quick    # 20,000 synthetic samples, not 200,000
+    .venv/bin/python -m benchmarks.length_mix --tiny-run runs/tiny          # table; docs/results/length_mix.json
+    .venv/bin/python -m benchmarks.length_mix --tiny-run runs/tiny --quick    # 20,000 synthetic samples, not 200,000
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
-from eagle3_pipeline.data.packing import micro_batches  # noqa: E402
-from eagle3_pipeline.data.shards import SampleRef, open_shards  # noqa: E402
+from benchmarks import RESULTS
+from eagle3_pipeline.data.packing import micro_batches
+from eagle3_pipeline.data.shards import SampleRef, open_shards
 
 KIMI_LENGTHS = (20000, 20000)  # configs/kimi_k25.toml [train] batch_tokens, max_seq_len
 
@@ -55,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny-run", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("length_mix.json"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "length_mix.json")
     args = ap.parse_args()
     tiny = open_shards([str(p) for p in sorted((args.tiny_run / "hidden_states").iterdir()) if p.is_dir()])
     sets = {

@@ -20,8 +20,8 @@ from the prefill and each decode step) and shared by both drafts and both settin
 decodes from a copy of the prefill's cache); each draft's first pass attends only from the slots the
 rounds read (the prompt's last slot on), which is exact (causal) and linear in the context.
 
-    nice -n 5 python benchmarks/long_context.py --work-dir outputs/long_context --quick \\
-        --out benchmarks/long_context.json
+    nice -n 5 .venv/bin/python -m benchmarks.long_context --work-dir outputs/long_context --quick \\
+        --out docs/results/long_context.json
 """
 
 from __future__ import annotations
@@ -37,13 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import torch
 
-import torch  # noqa: E402 - after the path
-
-from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft  # noqa: E402
+from benchmarks import REPO, RESULTS
+from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft
 
 # Kimi-K2.5's text_config rope_scaling (factor 64, beta 32 / 1, mscale = mscale_all_dim = 1) over 512
 # original positions instead of 4,096: 32,768 positions on a model these 2 cores can run at that length.
@@ -91,7 +88,7 @@ def sh(args: list[str], log: Path, threads: int) -> None:
 
 def build_verifier(work: Path, size: dict, threads: int) -> dict[str, Any]:
     """The yarn verifier in <work>/verifier (cached) and the draft's training rows in <work>/given.jsonl."""
-    import trained_verifier as tv
+    from benchmarks import trained_verifier as tv
 
     parts = tv.splits(tv.conversations(), num_train=size["num_train"], num_heldout=32)
     given = work / "given.jsonl"
@@ -295,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-length", type=int, help="prompts per length (default: the size's)")
     p.add_argument("--max-new-tokens", type=int, help="new tokens per request (default: the size's)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, help="results JSON, rewritten after each prompt")
+    p.add_argument("--out", type=Path, default=RESULTS / "long_context.json",
+                   help="results JSON, rewritten after each prompt")
     a = p.parse_args(argv)
     size = dict(SIZES["quick" if a.quick else "full"])
     size.update({k: v for k, v in (("per_length", a.per_length), ("max_new", a.max_new_tokens)) if v})

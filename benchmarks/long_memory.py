@@ -1,8 +1,8 @@
 """Peak memory and time of one training step (forward + backward) against the sample's length, CPU:
 this project's linear-memory path beside speculators 0.9.0's own trainer step, in the same run.
 
-  .venv/bin/python benchmarks/long_memory.py --quick        # tiny draft to 16k, SmolLM2-135M shapes to 4k
-  .venv/bin/python benchmarks/long_memory.py                # both to 32k, OOM recorded at the memory cap
+  .venv/bin/python -m benchmarks.long_memory --quick        # tiny draft to 16k, SmolLM2-135M shapes to 4k
+  .venv/bin/python -m benchmarks.long_memory                # both to 32k, OOM recorded at the memory cap
 
 Each point is one row holding one document of L tokens (the long-sample case: every query reads all
 earlier keys), random states and random weights (no download), 3 TTT steps, kl_div, fp32, in a child
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import REPO as ROOT
+from benchmarks import RESULTS
 
 from eagle3_pipeline.models import linear_memory  # noqa: E402
 from eagle3_pipeline.models.draft import DraftSpec, build_draft  # noqa: E402
@@ -229,7 +229,7 @@ def child(a: argparse.Namespace) -> int:
 
 def run_point(shape: str, impl: str, n: int, a: argparse.Namespace, verifier: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"shape": shape, "impl": impl, "tokens": n}
-    cmd = [sys.executable, __file__, "--point", shape, impl, str(n), "--verifier", str(verifier),
+    cmd = [sys.executable, "-m", __spec__.name, "--point", shape, impl, str(n), "--verifier", str(verifier),
            "--cap-gb", str(a.cap_gb), "--threads", str(a.threads)]  # fmt: skip
     t0 = time.perf_counter()
     try:
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS[:2]), help="only these paths")
     p.add_argument("--threads", type=int, default=1, 
                    help="torch threads per point (1: the machine is shared)")
-    p.add_argument("--out", default=None, help="JSON output (default: benchmarks/long_memory.json)")
+    p.add_argument("--out", default=None, help="JSON output (default: docs/results/long_memory.json)")
     p.add_argument("--keep", action="store_true",
                    help="keep the --out file's rows of points this run does not measure")
     p.add_argument("--point", nargs=3, metavar=("SHAPE", "IMPL", "TOKENS"), help=argparse.SUPPRESS)
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.point:
         return child(a)
     rows: list[dict[str, Any]] = []
-    path = Path(a.out) if a.out else Path(__file__).with_suffix(".json")
+    path = Path(a.out) if a.out else RESULTS / "long_memory.json"
     with tempfile.TemporaryDirectory(prefix="long-memory-") as tmp:
         for shape, lengths in (QUICK if a.quick else FULL).items():
             if a.shapes and shape not in a.shapes:

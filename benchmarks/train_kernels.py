@@ -1,8 +1,8 @@
 """Draft training step by kernel choice: time of fwd+bwd+AdamW, tokens/s, peak memory, MFU, in one run.
 
-  .venv/bin/python benchmarks/train_kernels.py --quick                 # CPU, a small draft, ~1 minute
-  python3 benchmarks/train_kernels.py --kimi --device cuda --out k.json  # one GPU (scripts/gpu_check.sh)
-  python3 benchmarks/train_kernels.py --kimi --arch mla --device cuda     # configs/kimi_k25.toml's MLA draft
+  .venv/bin/python -m benchmarks.train_kernels --quick                 # CPU, a small draft, ~1 minute
+  python3 -m benchmarks.train_kernels --kimi --device cuda --out k.json  # one GPU (scripts/gpu_check.sh)
+  python3 -m benchmarks.train_kernels --kimi --arch mla --device cuda     # configs/kimi_k25.toml's MLA draft
 
 Every row is one optimizer step of this project (train_metrics.forward, backward, clip, AdamW from
 train.build_optimizer) on the same packed batch of random hidden states (documents of ~doc_tokens
@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle3_pipeline.training import kernel_policy as kernels  # noqa: E402
-from eagle3_pipeline.core import storage  # noqa: E402
-from eagle3_pipeline.models.draft import MLA_DIMS, DraftSpec, build_draft, trainable_names  # noqa: E402
-from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG  # noqa: E402
+from benchmarks import RESULTS
+from eagle3_pipeline.training import kernel_policy as kernels
+from eagle3_pipeline.core import storage
+from eagle3_pipeline.models.draft import MLA_DIMS, DraftSpec, build_draft, trainable_names
+from eagle3_pipeline.sizing.kimi import KIMI_K25_TEXT_CONFIG
 
 
 @dataclass(frozen=True)
@@ -421,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per row (median reported)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H200 SXM: 989)")
     p.add_argument("--only", nargs="*", default=[], help="run only the rows with these labels")
-    p.add_argument("--out", default=None, help="JSON output (default: benchmarks/train_kernels.json)")
+    p.add_argument("--out", default=None, help="JSON output (default: docs/results/train_kernels.json)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -431,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         f"shape {asdict(shape)} | device {device} | threads {torch.get_num_threads()}"
         f" | torch {torch.__version__}"
     )
-    path = Path(a.out) if a.out else Path(__file__).with_suffix(".json")
+    path = Path(a.out) if a.out else RESULTS / "train_kernels.json"
     out = run(shape, device, a.warmup, a.steps, a.peak_tflops, a.only, path)
     if "project_vs_speculators_step_ratio" in out:
         print(f"project / speculators step time: {out['project_vs_speculators_step_ratio']:.2f}")

@@ -10,7 +10,7 @@ MLA shapes follow Kimi-K2.5's latent (kv_lora_rank 512 + qk_rope_head_dim 64 = 5
 vLLM's CPU MLA kernel takes), with `topk_method: noaux_tc` and `scoring_func: sigmoid` like Kimi
 (without scoring_func vLLM routes with softmax, silently).
 
-    python benchmarks/trained_verifier.py --out outputs/verifier --quick     # ~3 min on 2 cores
+    python -m benchmarks.trained_verifier --out outputs/verifier --quick     # ~3 min on 2 cores
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|bos|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-                  "<|pad|>"]  # fmt: skip
-# Kimi-K2.5's turn layout without its thinking block (see docs/reference.md "Kimi-K2.5 data").
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+from eagle3_pipeline.models.tiny import (
+    SPECIAL_TOKENS,
+    byte_level_tokenizer,
+    save_chat_tokenizer,
+    tiny_config,
 )
+
 # Standard-library modules whose docstrings make the corpus (sorted: the same text on every machine
 # with the same Python).
 DOC_MODULES = sorted(
@@ -117,12 +115,9 @@ def splits(rows: list[dict], num_train: int = 400, num_heldout: int = 64) -> dic
 
 def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
     """Byte-level BPE trained on the corpus, the chat special tokens first after the merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok = byte_level_tokenizer(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
@@ -130,50 +125,19 @@ def build_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out_dir))
+    save_chat_tokenizer(tok, out_dir)
 
 
 def verifier_config(vocab_size: int, tok: object, quick: bool) -> dict:
+    """The tiny DeepSeek-V3 (MLA + MoE) of models/tiny.py at a trainable size, with Kimi-K2.5's latent
+    (kv_lora_rank 512 + qk_rope_head_dim 64 = 576, vLLM CPU MLA's only width) and this tokenizer's ids."""
     hidden, layers = (192, 4) if quick else (256, 4)
-    return dict(
-        architectures=["DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        moe_intermediate_size=hidden // 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        q_lora_rank=128,
-        kv_lora_rank=512,  # + qk_rope_head_dim = 576: Kimi-K2.5's latent, vLLM CPU MLA's only width
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        initializer_range=0.02,
-    )
+    sizes = {"hidden_size": hidden, "intermediate_size": hidden * 3, "moe_intermediate_size": hidden // 2}
+    ids = {f"{n}_token_id": getattr(tok, f"{n}_token_id") for n in ("bos", "eos", "pad")}
+    # kimi_mla's latent with MoE layers after the first (kimi_mla's are all dense, for vLLM's CPU kernels)
+    moe = {"first_k_dense_replace": 1, "routed_scaling_factor": 1.0}
+    return {**tiny_config("kimi_mla"), **sizes, **ids, **moe, "vocab_size": vocab_size,
+            "num_hidden_layers": layers, "rms_norm_eps": 1e-6}  # fmt: skip
 
 
 def _token_stream(tok: object, rows: list[dict]) -> list[int]:

@@ -10,7 +10,7 @@
 # rest (its log tail goes in the JSON):
 #   1. the tiny pipeline, bf16 on CUDA, end to end (scripts/run_tiny.sh, default kernels: auto)
 #   2. the Kimi-sized draft step: flex+fused+compile vs sdpa+eager vs speculators' own Trainer
-#      (benchmarks/train_kernels.py --kimi --device cuda), the llama layer speculators also trains
+#      (python -m benchmarks.train_kernels --kimi --device cuda), the llama layer speculators also trains
 #   3. the same step for configs/kimi_k25.toml's MLA draft (--arch mla): flex+fused+compile, sdpa+eager
 #   4. torchrun --nproc-per-node 1 of 04_train --parallel-drafting on the tiny run's data (kernels auto)
 set -uo pipefail
@@ -71,11 +71,11 @@ sed "s#\"runs/tiny/#\"$ROOT/tiny/#g" configs/tiny.toml > "$ROOT/tiny.toml"
 section tiny "$T_TINY" env PYTHON="$PY" bash scripts/run_tiny.sh "$ROOT/tiny.toml"
 
 # --- 2. the Kimi-sized draft step on one GPU ----------------------------------------------------------
-section kimi "$T_KIMI" "$PY" benchmarks/train_kernels.py --kimi --device cuda --warmup 2 --steps 3 \
+section kimi "$T_KIMI" "$PY" -m benchmarks.train_kernels --kimi --device cuda --warmup 2 --steps 3 \
   --out "$OUT/kimi.json"
 
 # --- 3. the MLA draft kimi_k25.toml trains, the same step on one GPU ---------------------------------
-section kimi_mla "$T_MLA" "$PY" benchmarks/train_kernels.py --kimi --arch mla --device cuda --warmup 2 \
+section kimi_mla "$T_MLA" "$PY" -m benchmarks.train_kernels --kimi --arch mla --device cuda --warmup 2 \
   --steps 3 --only flex+fused+compile sdpa+eager --out "$OUT/kimi_mla.json"
 
 # --- 4. a parallel draft under torchrun with one process, on the tiny run's data ---------------------

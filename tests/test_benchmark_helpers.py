@@ -3,24 +3,17 @@ which runs are cached (no model)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _load(name: str):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_sharpness_is_the_mean_top_probability_over_every_position_of_every_trace():

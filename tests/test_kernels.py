@@ -5,7 +5,6 @@ the sizes of the tensors speculators builds, and a run records its choice in met
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -299,15 +298,9 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tiny_run, tmp_path):
 
 def train_kernels_bench():
     """benchmarks/train_kernels.py as a module."""
-    import importlib.util
+    from benchmarks import train_kernels
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("train_kernels", REPO / "benchmarks" / "train_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["train_kernels"] = bench  # dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
+    return train_kernels
 
 
 def test_mfu_counts_exactly_the_pairs_speculators_mask_allows():
@@ -354,7 +347,7 @@ def test_train_kernels_benchmark_writes_its_rows_and_the_speculators_ratio(tmp_p
 
     out = tmp_path / "bench.json"
     run_script(
-        "benchmarks/train_kernels.py", "--tiny", "--warmup", "0", "--steps", "1", "--out", str(out),
+        "-m", "benchmarks.train_kernels", "--tiny", "--warmup", "0", "--steps", "1", "--out", str(out),
         "--only", "sdpa+eager", "speculators Trainer (sdpa+eager)", timeout=600,
     )  # fmt: skip
     res = json.loads(out.read_text())
@@ -367,7 +360,7 @@ def test_train_kernels_benchmark_writes_its_rows_and_the_speculators_ratio(tmp_p
     assert res["machine"]["speculators"] == "0.9.0" and res["machine"]["threads"] >= 1
     assert res["step_flops"] > 0 and res["attention_extra_gib"]["sdpa"] > res["attention_extra_gib"]["flex"]
     # the MLA draft (--arch mla): its own rows, no speculators row (speculators trains no MLA draft)
-    run_script("benchmarks/train_kernels.py", "--tiny", "--arch", "mla", "--warmup", "0", "--steps", "1",
+    run_script("-m", "benchmarks.train_kernels", "--tiny", "--arch", "mla", "--warmup", "0", "--steps", "1",
                "--out", str(out), timeout=600)  # fmt: skip
     res = json.loads(out.read_text())
     assert res["shape"]["mla"] == [32, 32, 16, 16, 16]

@@ -97,3 +97,46 @@ def test_the_import_checker_sees_an_upward_import(tmp_path):
     bad.write_text("from eagle3_pipeline.training import train\nimport eagle3_pipeline.data.shards\n"
                    "def f():\n    from eagle3_pipeline.sizing.plan import build\n")
     assert _imports(bad) == {"training.train", "data.shards", "sizing.plan"}
+
+
+BENCHMARKS = PKG.parent / "benchmarks"
+
+
+def _long_definitions(path: Path) -> list[str]:
+    long = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > MAX_FUNCTION_LINES:
+            long.append(f"{path.name}:{node.name}: {lines} lines")
+        if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+            long.append(f"{path.name}:{node.name}: {lines} lines")
+    return long
+
+
+def test_benchmarks_import_as_the_package_does_and_hold_no_results():
+    """benchmarks/ is run as modules from the repository root (`python -m benchmarks.X`): no file (nor a
+    program it hands to a subprocess) edits sys.path; the JSON reports live in benchmarks.RESULTS, not
+    beside the code; functions and classes within the package's limits."""
+    from benchmarks import RESULTS
+
+    sources = sorted(BENCHMARKS.rglob("*.py"))
+    assert [p.name for p in sources if "sys.path" in p.read_text()] == []
+    assert sorted(p.relative_to(BENCHMARKS).as_posix() for p in BENCHMARKS.rglob("*.json")) == []
+    assert RESULTS.is_dir() and not RESULTS.is_relative_to(BENCHMARKS) and any(RESULTS.glob("*.json"))
+    assert [x for p in sources for x in _long_definitions(p)] == []
+
+
+def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_two_units_first(request):
+    """scripts/test.sh's pytest-xdist units (conftest.work_unit, its scheduler), on this session's tests: a
+    file is its own unit (module fixtures built once); the vLLM tier's files whose tests use tier_stages' runs
+    one unit (those runs built once), the others a second; both before every other file."""
+    from conftest import VLLM_GROUPS, work_unit
+
+    items = request.session.items
+    runs = {item.path for item in items if "tier_stages" in item.fixturenames}
+    want = [VLLM_GROUPS[item.path not in runs] if item.path.name.startswith("test_vllm_") else item.path.stem
+            for item in items]  # fmt: skip
+    units = [work_unit(item.path) for item in items]
+    assert units and units == want
+    rank = [VLLM_GROUPS.index(u) if u in VLLM_GROUPS else len(VLLM_GROUPS) for u in units]
+    assert rank == sorted(rank)  # the tier runs' unit, then the states' unit, then every other file

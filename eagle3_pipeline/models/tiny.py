@@ -45,25 +45,38 @@ PRINTABLE_BYTES = range(32, 127)
 LAYER_OUTPUT_SCALE = {"deepseek_v3": 50.0, "kimi_mla": 7.0, "llama": 10.0}
 
 
-def build_tokenizer(
-    out_dir: Path, extra_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
-) -> None:
-    """Byte-level BPE with no merges: every byte one token, ids 0-255, then the special tokens (and
-    `extra_tokens` after them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def byte_level_tokenizer(model: object) -> object:
+    """A `tokenizers.Tokenizer` over `model` (a BPE) that splits and decodes at the byte level."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
 
-    vocab = {ch: b for b, ch in byte_to_char().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([*SPECIAL_TOKENS, *extra_tokens])
+    return tok
+
+
+def save_chat_tokenizer(tok: object, out_dir: Path, chat_template: str = CHAT_TEMPLATE) -> None:
+    """`tok` saved in Hugging Face layout with the special tokens' roles and the Kimi-style chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>"
     )
     fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
+
+def build_tokenizer(
+    out_dir: Path, extra_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
+) -> None:
+    """Byte-level BPE with no merges: every byte one token, ids 0-255, then the special tokens (and
+    `extra_tokens` after them)."""
+    from tokenizers import models
+
+    vocab = {ch: b for b, ch in byte_to_char().items()}
+    tok = byte_level_tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens([*SPECIAL_TOKENS, *extra_tokens])
+    save_chat_tokenizer(tok, out_dir, chat_template)
 
 def byte_to_char() -> dict[int, str]:
     """The byte-level BPE alphabet (GPT-2 convention): printable bytes stand for themselves, the
