@@ -96,16 +96,15 @@ def test_extraction_rejects_rows_whose_states_are_not_finite(tiny_verifier, tmp_
 
 def _step_refs(tiny_run: Path, shard: Path, step: int) -> list:
     """The samples that step `step` (1-based) of a configs/tiny.toml run trains (one rank, grad_accum 1)."""
-    import tomllib
-
-    from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.core.config import config_from_file
     from eagle3_pipeline.data.packing import micro_batches
     from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.data.split import load_split
+    from eagle3_pipeline.training.config import TrainConfig
 
-    cfg = TrainConfig(**tomllib.loads((tiny_run / "tiny.toml").read_text())["train"])
+    cfg = config_from_file(TrainConfig, str(tiny_run / "tiny.toml"))  # split_dir follows from [run] dir
     train_refs, _ = load_split(Path(cfg.split_dir), open_shards([str(shard)]).samples)
-    batches = micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0)
+    batches = micro_batches(train_refs, cfg.batch_tokens, cfg.max_seq_len, cfg.seed, 0, cfg.batching)
     return batches[step - 1]
 
 
