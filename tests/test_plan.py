@@ -377,3 +377,22 @@ def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_on
     proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
                       str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2")  # fmt: skip
     assert "speedup       ? (the verifier's config.json has no 'moe_intermediate_size')" in proc.stdout
+
+
+def test_train_plan_steps_count_sequence_parallel_groups_not_gpus(tiny_shards, tmp_path):
+    """Under sequence parallelism the trainer deals micro-batches by data-parallel rank (a group of sp ranks
+    trains one row): 2 GPUs in one group of 2 run the steps of 1 GPU."""
+    args = [
+        script("04_train.py"), "--config", str(REPO / "configs" / "tiny.toml"),
+        "--data-dir", str(tiny_shards["float32"]), "--split-dir", "", "--val-ratio", "0.2",
+        "--vocab-mapping-dir", str(tiny_shards["vocab_float32"]), "--out-dir", str(tmp_path / "t"),
+        "--attn-impl", "blockwise", "--loss-impl", "chunked", "--plan",
+    ]  # fmt: skip
+    plans = {}
+    for gpus, sp in ((1, 1), (2, 1), (2, 2)):
+        out = tmp_path / f"plan{gpus}{sp}.json"
+        run_script(*args, "--plan-gpus", str(gpus), "--sequence-parallel", str(sp), "--plan-json", str(out))
+        plans[gpus, sp] = json.loads(out.read_text())["steps"]
+    assert plans[2, 1]["steps_per_epoch"] < plans[1, 1]["steps_per_epoch"]  # the data is dealt over 2
+    assert plans[2, 2]["steps_per_epoch"] == plans[1, 1]["steps_per_epoch"]
+    assert plans[2, 2]["data_parallel"] == 1
