@@ -93,6 +93,7 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
         "micro_batches_per_epoch": micro,
         "steps_per_epoch": math.ceil(micro / 8),  # the last step takes the remainder (epochs.py)
         "total_steps": math.ceil(micro / 8) * 10,
+        "data_parallel": 8,  # sequence_parallel 1: every GPU trains its own rows
     }
     assert p["seconds"] == pytest.approx(tokens * 0.99 * 10 / 200_000)
     assert f"trainable {TRAINABLE:,}" in proc.stdout and "57,344 B/token" in proc.stdout
