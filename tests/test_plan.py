@@ -397,3 +397,22 @@ def test_train_plan_steps_count_sequence_parallel_groups_not_gpus(tiny_shards, t
     assert plans[2, 1]["steps_per_epoch"] < plans[1, 1]["steps_per_epoch"]  # the data is dealt over 2
     assert plans[2, 2]["steps_per_epoch"] == plans[1, 1]["steps_per_epoch"]
     assert plans[2, 2]["data_parallel"] == 1
+
+
+def test_train_plan_steps_count_the_windows_of_samples_longer_than_max_seq_len():
+    """Samples longer than max_seq_len train in windows (length_mix.py), every token once an epoch: the
+    plan's estimate from sampled lengths counts the micro-batches the trainer packs of them."""
+    from eagle3_pipeline.data import packing
+    from eagle3_pipeline.data.shards import SampleRef
+    from eagle3_pipeline.sizing import plan
+    from eagle3_pipeline.training.config import TrainConfig
+
+    lengths = [1000, 250, 40, 3000, 90, 700] * 5
+    cfg = TrainConfig(max_seq_len=100, batch_tokens=200, val_ratio=0.0, epochs=1)
+    refs = [SampleRef("s", "f", i, str(i), n) for i, n in enumerate(lengths)]
+    trained = len(packing.micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, 0, 0))
+    for tokens in (plan.Tokens(len(lengths), sum(lengths) / len(lengths), lengths, "test"),
+                   plan.Tokens(10, 1000, None, "test")):  # fmt: skip
+        planned = plan.steps(cfg, tokens, 1)["micro_batches_per_epoch"]
+        want = trained if tokens.lengths else len(packing.micro_batches(refs[:1] * 10, 200, 100, 0, 0))
+        assert abs(planned - want) <= 0.1 * want, (planned, want)

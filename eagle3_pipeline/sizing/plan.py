@@ -42,7 +42,7 @@ import torch
 
 from eagle3_pipeline.training import checkpoint
 from eagle3_pipeline.sizing import colocation, kv_cache, long_sample, speedup
-from eagle3_pipeline.data import packing, state_dtype
+from eagle3_pipeline.data import length_mix, packing, state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.training import schedule
 from eagle3_pipeline.training import kernel_policy as kernels
@@ -184,10 +184,15 @@ def ttt_steps_warning(cfg: TrainConfig, gpus: int, cuda: bool) -> str | None:
 # ---- steps ----------------------------------------------------------------------------------------
 
 
+def window_lengths(lengths: list[int], max_seq_len: int) -> list[int]:
+    """What the trainer packs of samples of these lengths: each, or its windows (length_mix.windows)."""
+    return [n for length in lengths for _, n in length_mix.window_starts(length, max_seq_len)]
+
+
 def micro_batches_per_token(lengths: list[int], batch_tokens: int, max_seq_len: int) -> float:
-    """Micro-batches per token packed (packing's rule) over the sampled lengths."""
-    packed = sum(min(n, max_seq_len) for n in lengths)
-    return len(packing.pack_lengths(lengths, batch_tokens, max_seq_len)) / max(packed, 1)
+    """Micro-batches per token packed (packing's rule: longer samples in windows) over the sampled lengths."""
+    units = window_lengths(lengths, max_seq_len)
+    return len(packing.pack_lengths(units, batch_tokens, max_seq_len)) / max(sum(units), 1)
 
 
 def data_parallel(cfg: TrainConfig, gpus: int) -> int:
@@ -206,12 +211,13 @@ def steps(cfg: TrainConfig, tokens: Tokens, gpus: int, micro_batches: int | None
             return {}
         train_rows = tokens.num_rows * (1 - cfg.val_ratio)
         if tokens.lengths:  # tokens per row already counts rejected rows as 0
-            capped = sum(min(n, cfg.max_seq_len) for n in tokens.lengths) / sum(tokens.lengths)
+            windowed = sum(window_lengths(tokens.lengths, cfg.max_seq_len)) / sum(tokens.lengths)
             per_token = micro_batches_per_token(tokens.lengths, cfg.batch_tokens, cfg.max_seq_len)
-            micro_batches = max(1, math.ceil(tokens.total * (1 - cfg.val_ratio) * capped * per_token))
-        else:  # every row tokens_per_row long
-            row = max(1, min(int(tokens.tokens_per_row), cfg.max_seq_len))
-            micro_batches = max(1, math.ceil(train_rows / max(1, cfg.batch_tokens // row)))
+            micro_batches = max(1, math.ceil(tokens.total * (1 - cfg.val_ratio) * windowed * per_token))
+        else:  # every row tokens_per_row long: its windows
+            units = window_lengths([max(1, int(tokens.tokens_per_row))], cfg.max_seq_len)
+            per_batch = max(1, cfg.batch_tokens // max(units))
+            micro_batches = max(1, math.ceil(train_rows * len(units) / per_batch))
     dp = data_parallel(cfg, gpus)
     per_epoch = schedule.steps_per_epoch(micro_batches, dp, cfg.grad_accum)  # what train.plan_run runs
     total = schedule.total_steps([per_epoch] * cfg.epochs, cfg.max_steps)  # each epoch as the first
