@@ -122,7 +122,8 @@ def _changed(name: str, value: object) -> list[str]:
     other = {
         "ttt_steps": "2", "ttt_step_loss_decay": "0.8", "loss": "kl_div", "served_k": "2",
         "loss_temperature": "0.7", "loss_top_p": "0.9", "seed": "1", "val_ratio": "0.3",
-        "val_max_samples": "1", "max_seq_len": "512", "batch_tokens": "512", "grad_accum": "2",
+        "val_max_samples": "1", "max_seq_len": "512", "batch_tokens": "512", "batching": "mix",
+        "grad_accum": "2",
         "state_noise": "0.1", "epochs": "2", "max_steps": "3", "lr": "2e-3", "lr_schedule": "linear",
         "min_lr_ratio": "0.2", "warmup_ratio": "0.5", "warmup_steps": "1", "weight_decay": "0.1",
         "grad_clip": "1.0", "parallel_k": "3", "cod_ratio": "0.5", "cod_ratio_min": "0.3",
@@ -147,6 +148,9 @@ def test_a_resume_that_changes_any_recipe_field_is_refused_naming_it(finished, t
     spec.loader.exec_module(stage)
     recorded = json.loads((finished / "meta.json").read_text())["recipe"]
     assert sorted(recorded) == sorted(f.name for f in fields(Recipe))
+    # batching orders the samples (a resume under another would train another order); sequence_parallel
+    # computes the same maths (restore refuses another number of data-parallel ranks)
+    assert "batching" in recorded and "sequence_parallel" not in recorded
     before = _tree_hashes(finished)
     for f in fields(Recipe):
         flag = _changed(f.name, recorded[f.name])

@@ -93,6 +93,7 @@ def test_train_plan_for_kimi_matches_hand_computed_numbers(kimi_config_only, tmp
         "micro_batches_per_epoch": micro,
         "steps_per_epoch": math.ceil(micro / 8),  # the last step takes the remainder (epochs.py)
         "total_steps": math.ceil(micro / 8) * 10,
+        "data_parallel": 8,  # sequence_parallel 1: every GPU trains its own rows
     }
     assert p["seconds"] == pytest.approx(tokens * 0.99 * 10 / 200_000)
     assert f"trainable {TRAINABLE:,}" in proc.stdout and "57,344 B/token" in proc.stdout
@@ -377,3 +378,41 @@ def test_serving_speedup_lines_are_the_stated_cost_model_for_kimi(kimi_config_on
     proc = run_script(script("04_train.py"), "--config", str(KIMI), "--plan", "--verifier-path",
                       str(kimi_config_only), "--plan-rows", "10", "--plan-tokens-per-row", "2")  # fmt: skip
     assert "speedup       ? (the verifier's config.json has no 'moe_intermediate_size')" in proc.stdout
+
+
+def test_train_plan_steps_count_sequence_parallel_groups_not_gpus(tiny_shards, tmp_path):
+    """Under sequence parallelism the trainer deals micro-batches by data-parallel rank (a group of sp ranks
+    trains one row): 2 GPUs in one group of 2 run the steps of 1 GPU."""
+    args = [
+        script("04_train.py"), "--config", str(REPO / "configs" / "tiny.toml"),
+        "--data-dir", str(tiny_shards["float32"]), "--split-dir", "", "--val-ratio", "0.2",
+        "--vocab-mapping-dir", str(tiny_shards["vocab_float32"]), "--out-dir", str(tmp_path / "t"),
+        "--attn-impl", "blockwise", "--loss-impl", "chunked", "--plan",
+    ]  # fmt: skip
+    plans = {}
+    for gpus, sp in ((1, 1), (2, 1), (2, 2)):
+        out = tmp_path / f"plan{gpus}{sp}.json"
+        run_script(*args, "--plan-gpus", str(gpus), "--sequence-parallel", str(sp), "--plan-json", str(out))
+        plans[gpus, sp] = json.loads(out.read_text())["steps"]
+    assert plans[2, 1]["steps_per_epoch"] < plans[1, 1]["steps_per_epoch"]  # the data is dealt over 2
+    assert plans[2, 2]["steps_per_epoch"] == plans[1, 1]["steps_per_epoch"]
+    assert plans[2, 2]["data_parallel"] == 1
+
+
+def test_train_plan_steps_count_the_windows_of_samples_longer_than_max_seq_len():
+    """Samples longer than max_seq_len train in windows (length_mix.py), every token once an epoch: the
+    plan's estimate from sampled lengths counts the micro-batches the trainer packs of them."""
+    from eagle3_pipeline.data import packing
+    from eagle3_pipeline.data.shards import SampleRef
+    from eagle3_pipeline.sizing import plan
+    from eagle3_pipeline.training.config import TrainConfig
+
+    lengths = [1000, 250, 40, 3000, 90, 700] * 5
+    cfg = TrainConfig(max_seq_len=100, batch_tokens=200, val_ratio=0.0, epochs=1)
+    refs = [SampleRef("s", "f", i, str(i), n) for i, n in enumerate(lengths)]
+    trained = len(packing.micro_batches(refs, cfg.batch_tokens, cfg.max_seq_len, 0, 0))
+    for tokens in (plan.Tokens(len(lengths), sum(lengths) / len(lengths), lengths, "test"),
+                   plan.Tokens(10, 1000, None, "test")):  # fmt: skip
+        planned = plan.steps(cfg, tokens, 1)["micro_batches_per_epoch"]
+        want = trained if tokens.lengths else len(packing.micro_batches(refs[:1] * 10, 200, 100, 0, 0))
+        assert abs(planned - want) <= 0.1 * want, (planned, want)

@@ -141,3 +141,18 @@ def test_kimi_plan_prints_long_samples_with_sequence_parallel_ranks(kimi_config_
             assert ranks == sorted(ranks) and ranks[0] == 1 and ranks[1] > 1
             assert 32_768 <= d["largest_length"][kind] < 131_072
     assert "sp ranks: H200" in proc.stdout and "longest sample on one GPU" in proc.stdout
+
+
+def test_sequence_parallel_keeps_step0_keys_once_per_forward():
+    """With sp > 1 step 0's keys of the whole row are all-gathered once per forward and shared by every TTT
+    step (sequence_parallel._Step0Gather): one more TTT step adds the rank's own cache, not the row's keys."""
+    from eagle3_pipeline.sizing.long_sample import key_bytes, sample_bytes
+
+    spec = _small_specs()["llama"]
+    length, sp = 8192, 8
+    P, kb = length // sp, key_bytes(spec, 2)
+    more = sample_bytes(spec, length, 4, 2, sp)["keys"] - sample_bytes(spec, length, 3, 2, sp)["keys"]
+    assert more == 4 * P * kb  # step 3's cache: the rank's own keys of steps 0..3
+    assert sample_bytes(spec, length, 3, 2, sp)["keys"] == (length + (1 + 2 + 3) * P) * kb
+    # one process reads step 0's from its own cache, whole, every step
+    assert sample_bytes(spec, length, 3, 2, 1)["keys"] == (1 + 2 + 3) * length * kb

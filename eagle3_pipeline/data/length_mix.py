@@ -30,15 +30,19 @@ from eagle3_pipeline.data.shards import SampleRef
 GROUP_BATCHES = 64  # micro-batches packed together: enough choice to fill them, still a local shuffle
 
 
+def window_starts(num_tokens: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """(start, tokens) of a sample's windows: [k (M-1), k (M-1) + M), M = max_seq_len; itself if it fits."""
+    if num_tokens <= max_seq_len:
+        return [(0, num_tokens)]
+    return [(a, min(max_seq_len, num_tokens - a)) for a in range(0, num_tokens - 1, max_seq_len - 1)]
+
+
 def windows(ref: SampleRef, max_seq_len: int) -> list[SampleRef]:
-    """The sample itself when it fits, else its windows: tokens [k (M-1), k (M-1) + M), M = max_seq_len."""
+    """The sample itself when it fits, else its windows (window_starts)."""
     if ref.num_tokens <= max_seq_len:
         return [ref]
-    step = max_seq_len - 1
-    return [
-        dataclasses.replace(ref, start=a, num_tokens=min(max_seq_len, ref.num_tokens - a))
-        for a in range(0, ref.num_tokens - 1, step)
-    ]
+    starts = window_starts(ref.num_tokens, max_seq_len)
+    return [dataclasses.replace(ref, start=a, num_tokens=n) for a, n in starts]
 
 
 def all_windows(samples: list[SampleRef], max_seq_len: int) -> list[SampleRef]:

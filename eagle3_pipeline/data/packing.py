@@ -54,7 +54,7 @@ def pack(
 
 def pack_lengths(lengths: list[int], batch_tokens: int, max_seq_len: int) -> list[list[int]]:
     """Greedy packing in the given order: indices of `lengths` per micro-batch of at most batch_tokens
-    tokens, each sample counted at most max_seq_len (longer ones are cut when loaded)."""
+    tokens, each counted at most max_seq_len (the trainer packs longer samples' windows, length_mix.py)."""
     batches: list[list[int]] = []
     current: list[int] = []
     used = 0

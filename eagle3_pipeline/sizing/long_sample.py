@@ -8,9 +8,11 @@ per sample each rank holds a contiguous slice of P = ceil(L / sp) positions and,
   activations  per TTT step and position what autograd saves in the draft layer, final norm and loss
                (layer_values: counted per tensor from autograd's saved tensors on CPU, fp32 and bf16
                autocast, at distinct widths); the fc's input copy and output once
-  keys         per TTT step s the keys and values its attention reads, kept for backward: step 0's of
-               all L positions (all-gathered) and the rank's own P of each later step, concatenated as
-               the TTT cache does (step s reads L + s P keys; sp = 1: (s + 1) L)
+  keys         the keys and values attention keeps for backward: per TTT step s the TTT cache's
+               concatenation of the rank's own P keys of steps 0..s ((s + 1) P: an upper bound, kept whole
+               where the heads are not repeated); with sp > 1 also step 0's of all L positions,
+               all-gathered once per forward and shared by every step (sequence_parallel._Step0Gather);
+               sp = 1 reads step 0's from its own cache: (s + 1) L per step
   transient    the larger of the chunked loss's [LOSS_CHUNK, draft vocab] tensors (LOSS_*_TENSORS
                alive at once) and the last step's attention backward: its q/k/v gradients and, where
                sdpa falls back to its math path, SCORE_TENSORS [heads, ATTN_CHUNK, keys] score tensors of
@@ -95,7 +97,8 @@ def sample_bytes(spec: DraftSpec, length: int, ttt_steps: int, compute_bytes: in
     P, S, H, b = math.ceil(length / sp), ttt_steps, spec.hidden_size, compute_bytes
     n_aux, Vd = len(spec.aux_layer_ids), spec.draft_vocab_size
     fp32, compute = layer_values(spec, b == 2)
-    keys = sum(length + s * P for s in range(S))  # step 0 all-gathered, then the rank's own positions
+    # each step's cache of the rank's own keys; with sp > 1 step 0's of the whole row, gathered once
+    keys = (length if sp > 1 else 0) + sum((s + 1) * P for s in range(S))
     heads_q = spec.num_attention_heads * (
         spec.qk_nope_head_dim + spec.qk_rope_head_dim if spec.draft_arch == "mla" else spec.head_dim
     )

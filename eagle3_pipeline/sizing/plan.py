@@ -42,7 +42,7 @@ import torch
 
 from eagle3_pipeline.training import checkpoint
 from eagle3_pipeline.sizing import colocation, kv_cache, long_sample, speedup
-from eagle3_pipeline.data import packing, state_dtype
+from eagle3_pipeline.data import length_mix, packing, state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.training import schedule
 from eagle3_pipeline.training import kernel_policy as kernels
@@ -184,27 +184,50 @@ def ttt_steps_warning(cfg: TrainConfig, gpus: int, cuda: bool) -> str | None:
 # ---- steps ----------------------------------------------------------------------------------------
 
 
+def window_lengths(lengths: list[int], max_seq_len: int) -> list[int]:
+    """What the trainer packs of samples of these lengths: each, or its windows (length_mix.windows)."""
+    return [n for length in lengths for _, n in length_mix.window_starts(length, max_seq_len)]
+
+
 def micro_batches_per_token(lengths: list[int], batch_tokens: int, max_seq_len: int) -> float:
-    """Micro-batches per token packed (packing's rule) over the sampled lengths."""
-    packed = sum(min(n, max_seq_len) for n in lengths)
-    return len(packing.pack_lengths(lengths, batch_tokens, max_seq_len)) / max(packed, 1)
+    """Micro-batches per token packed (packing's rule: longer samples in windows) over the sampled lengths."""
+    units = window_lengths(lengths, max_seq_len)
+    return len(packing.pack_lengths(units, batch_tokens, max_seq_len)) / max(sum(units), 1)
+
+
+def data_parallel(cfg: TrainConfig, gpus: int) -> int:
+    """The rows trained at once on `gpus` GPUs: one per sequence-parallel group (the trainer deals the
+    micro-batches by data-parallel rank); refused as the trainer refuses it."""
+    from eagle3_pipeline.training import sequence_parallel
+
+    sequence_parallel.check(cfg, gpus)
+    return gpus // int(cfg.sequence_parallel)
 
 
 def steps(cfg: TrainConfig, tokens: Tokens, gpus: int, micro_batches: int | None = None) -> dict[str, Any]:
+    """The optimizer steps of the run on `gpus` GPUs (data_parallel of them train a row each)."""
     if micro_batches is None:
         if tokens.total is None:
             return {}
         train_rows = tokens.num_rows * (1 - cfg.val_ratio)
         if tokens.lengths:  # tokens per row already counts rejected rows as 0
-            capped = sum(min(n, cfg.max_seq_len) for n in tokens.lengths) / sum(tokens.lengths)
+            windowed = sum(window_lengths(tokens.lengths, cfg.max_seq_len)) / sum(tokens.lengths)
             per_token = micro_batches_per_token(tokens.lengths, cfg.batch_tokens, cfg.max_seq_len)
-            micro_batches = max(1, math.ceil(tokens.total * (1 - cfg.val_ratio) * capped * per_token))
-        else:  # every row tokens_per_row long
-            row = max(1, min(int(tokens.tokens_per_row), cfg.max_seq_len))
-            micro_batches = max(1, math.ceil(train_rows / max(1, cfg.batch_tokens // row)))
-    per_epoch = schedule.steps_per_epoch(micro_batches, gpus, cfg.grad_accum)  # what train.plan_run runs
+            micro_batches = max(1, math.ceil(tokens.total * (1 - cfg.val_ratio) * windowed * per_token))
+        else:  # every row tokens_per_row long: its windows
+            units = window_lengths([max(1, int(tokens.tokens_per_row))], cfg.max_seq_len)
+            per_batch = max(1, cfg.batch_tokens // max(units))
+            micro_batches = max(1, math.ceil(train_rows * len(units) / per_batch))
+    dp = data_parallel(cfg, gpus)
+    per_epoch = schedule.steps_per_epoch(micro_batches, dp, cfg.grad_accum)  # what train.plan_run runs
     total = schedule.total_steps([per_epoch] * cfg.epochs, cfg.max_steps)  # each epoch as the first
-    return {"micro_batches_per_epoch": micro_batches, "steps_per_epoch": per_epoch, "total_steps": total}
+    return {"micro_batches_per_epoch": micro_batches, "steps_per_epoch": per_epoch, "total_steps": total,
+            "data_parallel": dp}
+
+
+def _rows_at_once(gpus: int, st: dict[str, Any]) -> str:
+    dp = st.get("data_parallel", gpus)
+    return f"{gpus} GPUs" if dp == gpus else f"{dp} sequence-parallel groups of {gpus // dp} GPUs"
 
 
 # ---- the report -----------------------------------------------------------------------------------
@@ -408,7 +431,7 @@ def render(p: dict[str, Any]) -> str:
     if st:
         lines.append(
             f"steps         {st['steps_per_epoch']:,} per epoch ({st['micro_batches_per_epoch']:,} "
-            f"micro-batches / {p['gpus']} GPUs / grad_accum) | {st['total_steps']:,} in all"
+            f"micro-batches / {_rows_at_once(p['gpus'], st)} / grad_accum) | {st['total_steps']:,} in all"
         )
     else:
         lines.append("steps         ? (give --plan-rows and --plan-tokens-per-row, or extract shards first)")

@@ -288,8 +288,8 @@ def restore(
     if info.get("micro_batches_per_step", per_step) != per_step:
         raise UserError(
             f"{resume_from}: trained with {info['micro_batches_per_step']} micro-batches a step (ranks x "
-            f"grad_accum), this run takes {per_step}; rerun with as many ranks (nodes x processes per node) "
-            "as the run had, or use another --out-dir"
+            f"grad_accum), this run takes {per_step}; rerun with as many data-parallel "
+            "ranks (nodes x processes per node / sequence_parallel) as the run had, or use another --out-dir"
         )
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(state["optimizer"])

@@ -63,6 +63,7 @@ class Recipe:
     val_max_samples: int | None = None
     max_seq_len: int | None = None
     batch_tokens: int | None = None
+    batching: str | None = None
     grad_accum: int | None = None
     loss_on_all_tokens: bool | None = None
     state_noise: float | None = None
