@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +37,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import REPO, RESULTS
+from benchmarks import RESULTS
+from benchmarks.draft_quality import sh
 from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft
 
 # Kimi-K2.5's text_config rope_scaling (factor 64, beta 32 / 1, mscale = mscale_all_dim = 1) over 512
@@ -72,18 +71,6 @@ def room(max_new: int) -> int:
     """Tokens kept free after a prompt: the request's new tokens, the last round's k drafts, and a margin
     so that every step of a request stays in its prompt's bucket."""
     return max_new + K + 8
-
-
-def sh(args: list[str], log: Path, threads: int) -> None:
-    """A stage script as a user runs it; its output goes to `log`, a failure stops the benchmark."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),
-           "OMP_NUM_THREADS": str(threads)}  # fmt: skip
-    with open(log, "a") as f:
-        f.write(f"$ {' '.join(args)}\n")
-        f.flush()
-        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(args)}; see {log}")
 
 
 def build_verifier(work: Path, size: dict, threads: int) -> dict[str, Any]:
