@@ -237,6 +237,8 @@ def run_tiny_stages(config_name: str, old_root: str, root: Path) -> Path:
     import tomllib
 
     from eagle3_pipeline.core.cli import STAGES
+    from eagle3_pipeline.core.config import config_from_file
+    from eagle3_pipeline.export_eval.config import ExportConfig
     from eagle3_pipeline.export_eval.summary import untrained_dir
 
     cfg = moved_config(REPO / "configs" / config_name, old_root, root, root / config_name)
@@ -245,7 +247,7 @@ def run_tiny_stages(config_name: str, old_root: str, root: Path) -> Path:
     for section, stage in STAGES.items():  # the stage order's one owner, as run_tiny.sh reads it
         if section != "evaluate" and (section != "regenerate" or section in sections):
             run_script(script(stage), "--config", str(cfg), timeout=1800)
-    draft = Path(sections["export"]["out_dir"])
+    draft = Path(config_from_file(ExportConfig, str(cfg)).out_dir)  # [run] dir's draft folder (core/layout.py)
     run_script(script("05_export.py"), "--config", str(cfg), "--checkpoint", "init", "--out-dir",
                str(untrained_dir(draft)))  # fmt: skip
     return root
