@@ -3,7 +3,8 @@
 A client (eagle3_pipeline/vllm_side/vllm_engine.py) starts `<vLLM env python> -m eagle3_vllm --session` (or a
 server, `--serve HOST:PORT --request REQ.json`, for clients on this machine) and sends one JSON line per
 request: {"request": REQ.json, "out": OUT.json}, {"start": REQ.json} to start that request's engine
-without running it, or {"release": true} to stop the engine until the next request. Each answer is one
+without running it, {"release": true} to stop the engine until the next request, or CLOSE to end the
+session (or the server's connection) without an answer. Each answer is one
 line MARK + JSON: {"out": ...}, {"started": seconds}, {"released": true}, or {"error": ..., "root_cause":
 ...}. The worker keeps one engine while ENGINE_KEYS stay the same.
 `load_request` is the request's schema (eagle3_vllm/worker.py's docstring lists every key).
@@ -16,6 +17,9 @@ import os
 import tempfile
 
 MARK = "@@eagle3 "  # the prefix of every answer line on the worker's stdout (vLLM logs to stderr)
+# The client's last line. End of input alone does not end a session while a process the client forked (a
+# DataLoader worker, a render process) still holds a copy of the client's end of the pipe or socket.
+CLOSE = '{"close": true}'
 # The settings an engine is built from: a request with other values needs another engine
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",

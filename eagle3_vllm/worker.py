@@ -54,7 +54,7 @@ import threading
 import time
 
 from eagle3_vllm import cpu
-from eagle3_vllm.protocol import MARK, RequestError, engine_key, load_request, write_json_atomic
+from eagle3_vllm.protocol import CLOSE, MARK, RequestError, engine_key, load_request, write_json_atomic
 
 # vLLM reads these at import time; set them before importing it.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", cpu.KV_CACHE_GIB)
@@ -409,6 +409,8 @@ def session() -> int:
     engines = Engines()
     try:
         for line in sys.stdin:
+            if line.strip() == CLOSE:
+                break
             if line.strip():
                 print(MARK + json.dumps(engines.answer(line, relay)), flush=True)
     finally:
@@ -446,6 +448,8 @@ def serve(request: str, listen: str) -> int:
                 ):
                     try:
                         for line in rf:
+                            if line.strip() == CLOSE:
+                                break
                             if line.strip():
                                 wf.write(MARK + json.dumps(engines.answer(line, relay)) + "\n")
                                 wf.flush()

@@ -1,6 +1,7 @@
 """Stage 01 with --engine vllm on a tiny verifier with Kimi-K2.5's MLA latent: the states equal the hf
 engine's, a negative control shows the comparison catches silently wrong states, a SIGKILLed run reruns
-to the same bytes, and a shard loop against one --serve server loads the verifier once.
+to the same bytes, and a shard loop against one --serve server loads the verifier once. A vLLM worker
+session ends when its client closes it, whatever processes the client forked meanwhile.
 
 Needs the environment made by scripts/setup_vllm_cpu.sh, like the vLLM tier (skipped with the reason, or
 failing under EAGLE3_REQUIRE_VLLM=1 as in CI).
@@ -188,3 +189,24 @@ def test_a_shard_loop_against_one_vllm_server_loads_once_and_writes_the_same_sha
     assert (out / "vllm-server.log").read_text().count("eagle3_vllm: engine started") == 1
     assert not (out / "vllm-server.json").exists() and not list(out.glob(".vllm-states-*"))
     assert _tree_bytes(out) == _tree_bytes(vllm_run[0])  # the same shards as one run with its own engine
+
+
+def test_a_session_ends_at_close_while_a_child_the_client_forked_holds_its_pipe():
+    """A DataLoader worker or render process forked while a session is open keeps a copy of the client's
+    end of the worker's stdin: closing the session must not wait for that child to exit (end of input
+    alone waited for it, up to the client's 120 s before killing the worker)."""
+    from eagle3_pipeline.vllm_side import vllm_engine
+
+    session = vllm_engine.WorkerSession(probe=False).__enter__()
+    child = os.fork()
+    if child == 0:  # the forked helper: it only holds the inherited descriptors
+        time.sleep(60)
+        os._exit(0)
+    try:
+        t0 = time.perf_counter()
+        session.__exit__(None, None, None)
+        closed_s = time.perf_counter() - t0
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert session.proc.returncode == 0 and closed_s < 30, (session.proc.returncode, closed_s)

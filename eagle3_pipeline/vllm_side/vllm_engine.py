@@ -214,6 +214,11 @@ class WorkerSession:
         return answer
 
     def __exit__(self, *exc: Any) -> None:
+        try:  # said, not left to end of input: a child this process forked may hold the pipe open
+            self._send.write(protocol.CLOSE + "\n")
+            self._send.flush()
+        except (OSError, ValueError, AttributeError):
+            pass  # a worker that died (the error being raised says why), or a session never entered
         if self.sock is not None:
             self.sock.close()
         if self.proc is not None:
