@@ -36,6 +36,12 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 # The vLLM tier's two work units: the files on conftest.tier_stages' runs, and the files on the tiny MLA
 # verifier alone (vLLM extraction, online states); the other files one unit each.
 VLLM_GROUPS = ("vllm_tier_runs", "vllm_states")
+# The slowest other files, longest first (their slowest tests' seconds in CI's `--durations=30`, docs/results.md
+# "CI time"): started right after the tier's units, so that the units left for the last minutes, when one
+# worker may be idle, are short ones.
+SLOW_UNITS = ("test_resume", "test_multi_node", "test_fp8", "test_disk_full", "test_plan", "test_kernels",
+              "test_nothing_lost", "test_regenerate", "test_fingerprints", "test_served_as_exported",
+              "test_plots_trackers", "test_parallel_draft", "test_pipeline")  # fmt: skip
 
 
 def work_unit(path: Path) -> str:
@@ -57,13 +63,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(REPO / nodeid.split("::")[0])
 
+        def _reschedule(self, node) -> None:
+            # The next unit once the node is down to the one test it holds back (a worker runs a test when
+            # it knows the next one): xdist's two would commit a unit to a node still running a long test
+            # while the other node idles.
+            if not self.workqueue or self._pending_of(self.assigned_work[node]) <= 1:
+                super()._reschedule(node)
+
     return Units(config, log)
 
 
+def unit_rank(unit: str) -> int:
+    """Where a work unit starts: the vLLM tier's two units, then SLOW_UNITS in order, then the rest."""
+    first = (*VLLM_GROUPS, *SLOW_UNITS)
+    return first.index(unit) if unit in first else len(first)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The vLLM tier's two units first (the longest, beside which the rest runs), each file's order kept."""
-    order = {group: n for n, group in enumerate(VLLM_GROUPS)}
-    items.sort(key=lambda item: order.get(work_unit(item.path), len(order)))
+    """The units by unit_rank (the longest first, beside which the rest runs), each file's order kept."""
+    items.sort(key=lambda item: unit_rank(work_unit(item.path)))
 
 
 def script_env(*before_repo: Path) -> dict[str, str]:

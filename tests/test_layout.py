@@ -130,7 +130,7 @@ def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_two_units_first(requ
     """scripts/test.sh's pytest-xdist units (conftest.work_unit, its scheduler), on this session's tests: a
     file is its own unit (module fixtures built once); the vLLM tier's files whose tests use tier_stages' runs
     one unit (those runs built once), the others a second; both before every other file."""
-    from conftest import VLLM_GROUPS, work_unit
+    from conftest import SLOW_UNITS, VLLM_GROUPS, work_unit
 
     items = request.session.items
     runs = {item.path for item in items if "tier_stages" in item.fixturenames}
@@ -140,3 +140,40 @@ def test_each_file_is_one_xdist_work_unit_and_the_vllm_tier_two_units_first(requ
     assert units and units == want
     rank = [VLLM_GROUPS.index(u) if u in VLLM_GROUPS else len(VLLM_GROUPS) for u in units]
     assert rank == sorted(rank)  # the tier runs' unit, then the states' unit, then every other file
+    others = list(dict.fromkeys(u for u in units if u not in VLLM_GROUPS))
+    slow = [u for u in SLOW_UNITS if u in others]
+    assert others[: len(slow)] == slow  # the slowest files next, longest first
+
+
+class _Node:
+    """A pytest-xdist node as the scheduler sees it: the test indices it was sent."""
+
+    shutting_down = False
+
+    def __init__(self) -> None:
+        self.sent: list[list[int]] = []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent.append(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_a_node_gets_its_next_unit_only_when_down_to_the_test_it_holds_back(pytestconfig, monkeypatch):
+    """conftest's scheduler: a node still running a test with one more queued behind it is not given the next
+    unit (the other node may be idle); once down to that last queued test it is."""
+    from collections import OrderedDict
+
+    from conftest import pytest_xdist_make_scheduler
+
+    monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"])  # what `-n 2` sets
+    sched = pytest_xdist_make_scheduler(pytestconfig, None)
+    node = _Node()
+    sched.registered_collections[node] = ["a.py::t0", "a.py::t1", "b.py::t2"]
+    sched.assigned_work[node] = {"a": {"a.py::t0": False, "a.py::t1": False}}
+    sched.workqueue = OrderedDict(b={"b.py::t2": False})
+    sched._reschedule(node)  # t0 running, t1 queued
+    assert node.sent == [] and list(sched.workqueue) == ["b"]
+    sched.mark_test_complete(node, 0)  # t0 done: t1 is held back until the worker knows its next test
+    assert node.sent == [[2]] and not sched.workqueue
