@@ -4,9 +4,9 @@
 #   bash scripts/test.sh -k resume       # a subset
 # Two pytest-xdist workers, by the work units tests/conftest.py names (pytest_xdist_make_scheduler): a file per
 # unit (a file's module fixtures, some of them whole tiny runs, are built once), and the vLLM tier's files in
-# two units, scheduled first (the longest), each with one vLLM worker. One worker keeps about one of these two
-# cores busy (stage subprocesses, torch's threads); each worker's vLLM engines keep to one core of their own
-# (tests/conftest.py: VLLM_CPU_OMP_THREADS_BIND), so the tier runs beside the other files.
+# two units, scheduled first (the longest), then the slowest files. Each worker's torch (its own and its stage
+# subprocesses') and vLLM engines keep to their share of the cores (tests/conftest.py: xdist_worker_env), so
+# the tier runs beside the other files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
