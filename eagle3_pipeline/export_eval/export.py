@@ -25,7 +25,8 @@ from eagle3_pipeline.core import rope_scaling, storage
 from eagle3_pipeline.export_eval.config import ExportConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.models.draft import DraftSpec, attach_verifier_tensors, build_draft, rope_parameters_of
-from eagle3_pipeline.core.errors import DiskFull, UserError
+from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.models.reference_draft import ReferenceDraft, aux_layer_ids_of, parallel_config
 from eagle3_pipeline.models.reference_mla import read_export
@@ -502,28 +503,23 @@ def serve_line(
 
 
 def run(cfg: ExportConfig) -> int:
-    out_dir = Path(cfg.out_dir)
-    if storage.is_complete(out_dir) and not cfg.overwrite:
-        log.info("skip: %s is a complete export (use --overwrite to replace it)", out_dir)
+    out = StageOutput(cfg.out_dir, cfg.overwrite)
+    if out.skip(why="is a complete export", redo="replace it"):
         return 0
-    with storage.output_lock(out_dir):  # the one writer of the export folder, before any work
-        return _export(cfg, out_dir)
+    with out.lock():  # the one writer of the export folder, before any work
+        return _export(cfg, out)
 
 
-def _export(cfg: ExportConfig, out_dir: Path) -> int:
+def _export(cfg: ExportConfig, out: StageOutput) -> int:
     import json
-    import shutil
 
+    out_dir = out.out_dir
     ckpt, meta, model, vt, d2t, t2d = load_trained(Path(cfg.train_dir), cfg.checkpoint)
     spec = DraftSpec.from_json(meta["draft"])
     vcfg = json.loads((Path(meta["verifier_path"]) / "config.json").read_text())
-    tmp = storage.fresh_tmp_dir(out_dir)
-    try:
+    with out.building() as tmp:  # a full disk frees it; a refused export stays to read
         stats, info, ckpt_name = _build(cfg, tmp, ckpt, meta, model, vt, d2t, t2d, spec, vcfg)
-    except DiskFull:  # the unfinished export never counts; free its space (a refused one stays to read)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    storage.publish_dir(tmp, out_dir)  # the old export is replaced only now, after the gate passed
+    out.publish(tmp)  # the old export is replaced only now, after the gate passed
     log.info(
         "done %s | %s (step %d) | read-back top-1 agreement %.4f, normalised error %.4f over %d positions",
         out_dir,
