@@ -135,8 +135,8 @@ def test_a_complete_output_is_skipped_and_a_refused_overwrite_keeps_it(stage, ru
         err = capsys.readouterr().err
         assert f"skip: {out} {skip_tail}" in err, err[-2000:]
         assert _tree(out) == before
-    flags = [f.format(root=run_copy) for f in refusal]
-    assert main([*config, *flags, "--overwrite"]) == 2
+    flags = [f.format(root=run_copy) for f in refusal] + (["--overwrite"] if stage != "06" else [])
+    assert main([*config, *flags]) == 2  # (06 writes a result file into a folder it does not own)
     err = capsys.readouterr().err
     assert "error: " in err and says.format(root=run_copy) in err and "Traceback" not in err, err[-2000:]
     assert _tree(out) == before

@@ -32,7 +32,8 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def lock_path(out_dir: Path) -> Path:
-    """The lock of an output folder: a hidden sibling, since publish_dir and --overwrite swap the folder."""
+    """The lock of an output folder: a hidden sibling, since StageOutput.publish and --overwrite swap the
+    folder."""
     out_dir = Path(os.path.abspath(out_dir))
     return out_dir.with_name(f".{out_dir.name}.lock")
 

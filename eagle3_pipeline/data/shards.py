@@ -185,7 +185,7 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
             f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
             "the shard with this version of 01_extract_hidden_states.py)"
         )
-    _check_run_settings(shard, meta)
+    _check_meta_matches_run(shard, meta)
     # recorded relative to the shard (storage.record_path): read back as a path to open, here only
     meta["verifier"]["path"] = str(storage.recorded_path(meta["verifier"]["path"], shard))
     manifest_path = shard / MANIFEST_FILE
@@ -211,7 +211,7 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
     return meta
 
 
-def _check_run_settings(shard: Path, meta: dict[str, Any]) -> None:
+def _check_meta_matches_run(shard: Path, meta: dict[str, Any]) -> None:
     """meta.json against the run.json stage 01 pinned (the same settings, written apart): every fact a
     consumer reads of meta.json (verifier, layer ids, dtypes, fp8 scales, template) is among them, so a
     changed byte in either file is refused here instead of read as another verifier or layout."""
