@@ -155,7 +155,7 @@ def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
 
 def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
     """The checkpoint to resume from, if any (none with --overwrite), refused when the run folder's meta.json
-    records other RESUME_KEYS or another Recipe field (named, with the flag: StageOutput.same_run); reads
+    records other RESUME_KEYS or another Recipe field (named, with the flag: output.same_run); reads
     only."""
     out_dir = Path(cfg.out_dir)
     resume_from = None if cfg.overwrite else checkpoint.latest(checkpoint.root_of(out_dir))
