@@ -28,6 +28,7 @@ from benchmarks import RESULTS
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.data.config import ExtractConfig
 from eagle3_pipeline.core.config import provenance
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.data.shards import MANIFEST_FILE, SHARD_FORMAT, finish_shard, open_shards, write_part
 from eagle3_pipeline.data.state_dtype import encode
 
@@ -70,7 +71,7 @@ def write_shard(root: Path, parts: int, part_bytes: int, samples_per_part: int =
         "row_range": [0, parts * samples_per_part], "max_seq_len": 4096, "samples_per_file": samples_per_part,
     }  # fmt: skip
     made = provenance(ExtractConfig(verifier_path="/synthetic", data_path="/synthetic", out_dir=str(root)))
-    finish_shard(shard, len(blocks), settings, made)
+    finish_shard(StageOutput(shard), len(blocks), settings, made)
     return shard
 
 

@@ -216,9 +216,10 @@ def _dead_pid() -> int:
 def test_an_overwrite_killed_outright_is_refused_until_its_old_run_is_put_back(
     finished, tiny_shards, tmp_path
 ):
-    """What RunDir leaves when --overwrite is SIGKILLed before the new run's first checkpoint: the old run
-    in `.run.old-<pid>`, the new folder holding only its meta.json. The next run (any flags) refuses,
-    naming the old run and both fixes, and changes nothing; put back, the old run is whole (a skip)."""
+    """What stage 04's run folder (StageOutput) leaves when --overwrite is SIGKILLed before the new run's
+    first checkpoint: the old run in `.run.old-<pid>`, the new folder holding only its meta.json. The next
+    run (any flags) refuses, naming the old run and both fixes, and changes nothing; put back, the old run
+    is whole (a skip)."""
     run, aside = tmp_path / "run", tmp_path / f".run.old-{_dead_pid()}"
     shutil.copytree(finished, aside)
     run.mkdir()

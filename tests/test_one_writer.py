@@ -1,5 +1,6 @@
-"""One writer per output folder: every stage takes storage.output_lock before any work on its output; a
-second writer exits 2 naming the holder and writes nothing; a lock whose holder died is taken over."""
+"""One writer per output folder: every stage takes output_lock (StageOutput.lock) before any work on its
+output; a second writer exits 2 naming the holder and writes nothing; a lock whose holder died is taken
+over."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from conftest import (
     script_env,
 )
 
-from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.output_lock import lock_path, output_lock
 
 
 def _stage_args(stage: str, run: Path, verifier: Path, out: Path) -> list[str]:
@@ -43,13 +44,13 @@ def _stage_args(stage: str, run: Path, verifier: Path, out: Path) -> list[str]:
 @pytest.mark.parametrize("stage", ["00", "01", "02", "03", "04", "05", "06"])
 def test_a_stage_refuses_an_output_folder_in_use_and_writes_nothing(stage, tiny_run, tiny_verifier, tmp_path):
     out = tmp_path / "hs" / "rows_00000000-00000010" if stage == "01" else tmp_path / "out"
-    with storage.output_lock(out):  # this test process is the writer the stage finds
+    with output_lock(out):  # this test process is the writer the stage finds
         proc = run_script(*_stage_args(stage, tiny_run, tiny_verifier, out), check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert f"{out}: in use by pid {os.getpid()} on host {socket.gethostname()} since " in proc.stderr
         assert "wait for it or stop it" in proc.stderr and "Traceback" not in proc.stderr
         assert not out.exists()  # nothing written, not even the folder
-    assert not storage.lock_path(out).exists()  # released: the next writer finds no stale holder
+    assert not lock_path(out).exists()  # released: the next writer finds no stale holder
 
 
 def _train(tiny_run: Path, out: Path) -> list[str]:
@@ -72,14 +73,15 @@ def test_two_trainings_started_together_on_one_folder_one_runs_the_other_exits_2
 
 def test_a_lock_left_by_a_killed_holder_is_taken_over_naming_it(tmp_path, caplog):
     out = tmp_path / "out"
-    code = ("import os, signal, sys\nfrom pathlib import Path\nfrom eagle3_pipeline.core import storage\n"
-            "with storage.output_lock(Path(sys.argv[1])):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = ("import os, signal, sys\nfrom pathlib import Path\n"
+            "from eagle3_pipeline.core.output_lock import output_lock\n"
+            "with output_lock(Path(sys.argv[1])):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], env=script_env())  # dies holding it
     assert holder.wait(timeout=120) == -signal.SIGKILL
-    assert f'"pid": {holder.pid}' in storage.lock_path(out).read_text()  # its record is still there
-    with caplog.at_level(logging.WARNING, logger="eagle3.stage"), storage.output_lock(out):
-        assert f'"pid": {os.getpid()}' in storage.lock_path(out).read_text()
-    assert not storage.lock_path(out).exists()  # released cleanly: removed
+    assert f'"pid": {holder.pid}' in lock_path(out).read_text()  # its record is still there
+    with caplog.at_level(logging.WARNING, logger="eagle3.stage"), output_lock(out):
+        assert f'"pid": {os.getpid()}' in lock_path(out).read_text()
+    assert not lock_path(out).exists()  # released cleanly: removed
     assert f"{out}: taking over a stale lock: its holder, pid {holder.pid} on host {socket.gethostname()}" \
         in caplog.text
 
@@ -89,7 +91,7 @@ def test_under_torchrun_every_rank_stops_on_a_run_folder_in_use(tiny_run, tmp_pa
     out = tmp_path / "train"
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**script_env(), "OMP_NUM_THREADS": "1"}
-    with storage.output_lock(out):
+    with output_lock(out):
         proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", *_train(tiny_run, out)], env=env,
                               capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0

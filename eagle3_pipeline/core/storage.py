@@ -1,5 +1,5 @@
-"""Files that count only when complete: temp name, fsync, rename; meta.json; checksums; versions; one
-writer per output folder (`output_lock`).
+"""Files that count only when complete: temp name, fsync, rename; meta.json; checksums; versions. The
+life of an output folder (lock, skip, resume, publish) is core/output.py's.
 
 A crash (SIGKILL, full disk, lost ssh) leaves at worst a `*.tmp*` file or folder, which readers ignore
 and the next run deletes. `COMPLETE` markers are written last, so a folder without one is unfinished.
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
-import logging
 import os
 import platform
 import shutil
-import socket
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -209,269 +205,14 @@ def sha256_tensors(tensors: dict[str, Any]) -> str:
 
 
 def is_complete(folder: Path) -> bool:
+    """Whether `folder` is a finished output (its COMPLETE marker, written last, is there)."""
     return (folder / COMPLETE_MARKER).is_file()
-
-
-def mark_complete(folder: Path) -> None:
-    write_bytes_atomic(folder / COMPLETE_MARKER, b"")
 
 
 def clear_tmp(folder: Path) -> None:
     """Delete leftovers of an interrupted write (`*.tmp` files and folders)."""
     for p in folder.glob(f"*{TMP_SUFFIX}*"):
         shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-
-def check_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
-    """A resume with other settings than the unfinished output's is refused naming them (its parts would
-    not belong together); reads only."""
-    if run_file.exists():
-        before = read_json(run_file)
-        if before != settings:
-            changed = sorted(k for k in settings if before.get(k) != settings[k])
-            raise UserError(
-                f"{run_file.parent}: a run with other settings ({', '.join(changed)}) left it unfinished; "
-                "rerun with those settings to resume, or --overwrite to start over"
-            )
-
-
-def pin_run_settings(run_file: Path, settings: dict[str, Any]) -> None:
-    """The settings an unfinished resumable output was started with: written the first time, checked
-    (check_run_settings) after."""
-    check_run_settings(run_file, settings)
-    if not run_file.exists():
-        write_json_atomic(run_file, settings)
-
-
-def prepare_output_dir(out_dir: Path, overwrite: bool) -> bool:
-    """True when the stage should run; False (logged: a skip) when the output is complete.
-
-    An incomplete folder is removed (single-file stages have nothing worth resuming); a complete one
-    stays until `publish_dir` swaps the new output in.
-    """
-    if out_dir.exists() and is_complete(out_dir):
-        if not overwrite:
-            log_skip(out_dir)
-        return overwrite
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return True
-
-
-def aside_dir(out_dir: Path) -> Path:
-    """Where --overwrite keeps the old output while this process makes the new one: a hidden sibling
-    `.<name>.old-<pid>` (stage 00's `overwriting`, stage 04's run folder)."""
-    return out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # no signal sent: only whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, another user's
-        pass
-    return True
-
-
-def check_stale_asides(out_dir: Path, replaced: bool) -> None:
-    """The old output an --overwrite killed outright (SIGKILL, a lost node) left in its hidden sibling,
-    its process gone: refused while `out_dir` holds no finished replacement, with both ways out (put it
-    back, or discard it); named in a warning once the replacement is finished (`replaced`). Reads only."""
-    for aside in sorted(out_dir.parent.glob(f".{out_dir.name}.old-*")):
-        pid = aside.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or _running(int(pid)):
-            continue
-        if replaced:
-            logging.getLogger("eagle3.stage").warning(
-                "%s: the output an interrupted --overwrite replaced, no longer needed (%s is finished); "
-                "delete it: rm -rf %s", aside, out_dir, aside)  # fmt: skip
-            continue
-        raise UserError(
-            f"{aside}: the output an --overwrite moved aside before it was killed (pid {pid}); {out_dir} "
-            f"holds nothing finished to replace it. Put it back: rm -rf {out_dir} && mv {aside} {out_dir}; "
-            f"or discard it: rm -rf {aside}"
-        )
-
-
-@contextlib.contextmanager
-def overwriting(out_dir: Path, overwrite: bool) -> Iterator[None]:
-    """--overwrite of an output built in place (stage 00's parts): the old one moved to a hidden sibling
-    `.<name>.old-<pid>` for the block; deleted when the block leaves the new one complete, put back (and
-    what the block wrote removed) when it does not: a failed overwrite loses nothing."""
-    if not (overwrite and out_dir.exists()):
-        yield
-        return
-    aside = aside_dir(out_dir)
-    os.replace(out_dir, aside)
-    logging.getLogger("eagle3.stage").info("--overwrite: the old %s is at %s until the new one is complete",
-                                           out_dir, aside)  # fmt: skip
-    try:
-        yield
-    finally:
-        if is_complete(out_dir):
-            shutil.rmtree(aside)
-        else:
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(aside, out_dir)
-            log = logging.getLogger("eagle3.stage")
-            log.warning("the new output is unfinished: the old one is back in %s", out_dir)
-
-
-def log_skip(out_dir: Path) -> None:
-    """The line every stage logs when its output is complete already."""
-    logging.getLogger("eagle3.stage").info("skip: %s is complete (use --overwrite to redo it)", out_dir)
-
-
-def fresh_tmp_dir(out_dir: Path) -> Path:
-    """An empty `<out_dir>.tmp` to build an output in before `publish_dir`."""
-    tmp = out_dir.with_name(out_dir.name + TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def publish_dir(tmp_dir: Path, out_dir: Path, meta: dict[str, Any] | None = None) -> None:
-    """Write `meta` (if given) as its meta.json, mark `tmp_dir` complete and move it to `out_dir`,
-    replacing an older complete copy only now."""
-    if meta is not None:
-        write_json_atomic(tmp_dir / META_NAME, meta)
-    try:
-        mark_complete(tmp_dir)
-    except DiskFull:  # the unfinished folder must not linger as if it were in progress
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    old = out_dir.with_name(out_dir.name + ".old" + TMP_SUFFIX)
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp_dir, out_dir)
-    fsync_dir(out_dir.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-_HELD_LOCKS: set[int] = set()  # the descriptors of the output locks this process holds
-
-
-def _close_held_in_child() -> None:
-    """A forked child (stage 01's renderer, DataLoader workers) closes its copies of the lock descriptors:
-    the flock is the parent's, and must go when the parent dies even if a child lingers."""
-    for fd in _HELD_LOCKS:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD_LOCKS.clear()
-
-
-os.register_at_fork(after_in_child=_close_held_in_child)
-
-
-def lock_path(out_dir: Path) -> Path:
-    """The lock of an output folder: a hidden sibling, since publish_dir and --overwrite swap the folder."""
-    out_dir = Path(os.path.abspath(out_dir))
-    return out_dir.with_name(f".{out_dir.name}.lock")
-
-
-def _holder_text(raw: bytes) -> str:
-    """'pid 1234 on host h since <time> (command ...)' from a lock file's content."""
-    try:
-        h = json.loads(raw)
-        return f"pid {h['pid']} on host {h['host']} since {h['since']} (command {h['command']})"
-    except (ValueError, KeyError, TypeError):
-        return "another process (it has not recorded itself yet)"
-
-
-def _read_fd(fd: int) -> bytes:
-    os.lseek(fd, 0, os.SEEK_SET)
-    chunks = []
-    while chunk := os.read(fd, 65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-@contextlib.contextmanager
-def output_lock(out_dir: Path) -> Iterator[None]:
-    """This process is the one writer of `out_dir` for the block; another holder is a UserError naming it.
-
-    Taken by every stage before it does any work on its output (read-only paths, --plan and a logged
-    skip of a complete output, take none). An flock on `.<name>.lock` beside the folder: the kernel
-    releases it when the holder dies, however it dies, so a lock file whose flock is free is stale and is
-    taken over (logged, naming the dead holder recorded in it: pid, host, start, command). A clean release
-    removes the file, and the folders made for it when they are still empty: a refused run leaves nothing.
-    A filesystem without flock support is logged and the block runs unlocked.
-    """
-    path = lock_path(out_dir)
-    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
-    fd = _open_locked(path, out_dir)
-    try:
-        if fd is not None:
-            _record_holder(fd, out_dir)
-            _HELD_LOCKS.add(fd)
-        yield
-    finally:
-        if fd is not None:
-            _HELD_LOCKS.discard(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()  # while still held: a writer that opened it meanwhile retries (_open_locked)
-            os.close(fd)
-        for folder in made:  # deepest first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-
-
-def _open_locked(path: Path, out_dir: Path) -> int | None:
-    """A descriptor of `path` holding its flock; None on a filesystem without locks. A file its holder
-    removed between this open and the flock is not the lock any more: opened again."""
-    while True:
-        path.parent.mkdir(parents=True, exist_ok=True)  # (again: a refused writer may have removed it)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            if not _flock(fd, out_dir, path):
-                os.close(fd)
-                return None
-            held = os.fstat(fd)
-            with contextlib.suppress(FileNotFoundError):
-                now = os.stat(path)
-                if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-                    return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-
-
-def _flock(fd: int, out_dir: Path, path: Path) -> bool:
-    """True once this process holds the lock; False on a filesystem without locks (logged)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder_text(_read_fd(fd))
-        raise UserError(f"{out_dir}: in use by {holder}; wait for it or stop it") from None
-    except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem mounted without locks
-        logging.getLogger("eagle3.stage").warning(
-            "%s: cannot lock (%s): one writer per folder is not enforced here", path, e.strerror)  # fmt: skip
-        return False
-    return True
-
-
-def _record_holder(fd: int, out_dir: Path) -> None:
-    """Name this process in the lock file (what a refused writer prints); a previous holder's name still
-    there means it died holding the lock."""
-    before = _read_fd(fd)
-    if before.strip():
-        logging.getLogger("eagle3.stage").warning(
-            "%s: taking over a stale lock: its holder, %s, is gone", out_dir, _holder_text(before)
-        )
-    me = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": " ".join(sys.argv)[:500],
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
 
 
 def versions() -> dict[str, str]:

@@ -32,6 +32,7 @@ from eagle3_pipeline.data.config import ExtractConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.output import RUN_FILE, StageOutput
 from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
@@ -77,11 +78,11 @@ def run(cfg: ExtractConfig) -> int:
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
         log.info("%d shards of %d rows in [%d, %d), one verifier load", len(ranges), step, start, end)
-    to_write = [s for s in (Path(cfg.out_dir) / shard_name(a, b) for a, b in ranges)
-                if cfg.overwrite or not storage.is_complete(s)]  # fmt: skip
+    outs = [StageOutput(Path(cfg.out_dir) / shard_name(a, b), cfg.overwrite) for a, b in ranges]
+    to_write = [o for o in outs if o.wanted()]
     with contextlib.ExitStack() as held:
-        for shard in to_write:  # this process the one writer of each shard it writes, before any work
-            held.enter_context(storage.output_lock(shard))
+        for out in to_write:  # this process the one writer of each shard it writes, before any work
+            held.enter_context(out.lock())
         return _run_shards(cfg, facts, aux_ids, ranges, bool(to_write))
 
 
@@ -186,13 +187,12 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             loaded["vllm_version"] = engine.version if engine else vllm_version(cfg.vllm_python)
         settings.update(engine="vllm", vllm_version=loaded["vllm_version"])
 
-    storage.check_stale_asides(shard, storage.is_complete(shard))
-    if storage.is_complete(shard) and not cfg.overwrite:
-        storage.log_skip(shard)
+    out = StageOutput(shard, cfg.overwrite)
+    if out.skip(asides=True):
         return
     if not cfg.overwrite:  # a resume with other settings is refused before the verifier loads
         _check_resumed_verifier(shard, Path(cfg.verifier_path), facts.fingerprint)
-        storage.check_run_settings(shard / parts.RUN_FILE, settings)
+        out.same_run(settings)
     blocks = parts.blocks(start, end, cfg.samples_per_file)
     todo = list(enumerate(blocks)) if cfg.overwrite else parts.todo(shard, blocks, shards.part_info_name)
     if todo:  # every check before an overwritten shard moves aside
@@ -202,21 +202,20 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
                           storage_dtype)  # fmt: skip
     # --overwrite keeps the old shard aside until the new one is complete: a refused (empty) or failed
     # new shard puts it back
-    with storage.overwriting(shard, cfg.overwrite):
-        parts.open_output(shard, cfg.overwrite, settings)
+    with out.in_place(settings):
         log.info(
             "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
             shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,
         )  # fmt: skip
         if todo:
             _extract_parts(shard, todo, storage_dtype, loaded["renderer"], loaded["engine"])
-        shards.finish_shard(shard, len(blocks), settings, provenance(cfg))
+        shards.finish_shard(out, len(blocks), settings, provenance(cfg))
 
 
 def _check_resumed_verifier(shard: Path, verifier: Path, fingerprint: str | None) -> None:
     """The parts an unfinished shard holds came from the verifier its run.json records: another one (by
     fingerprint, wherever it lies) is refused naming both, before anything is loaded or written."""
-    run_file = shard / parts.RUN_FILE
+    run_file = shard / RUN_FILE
     if not run_file.exists():
         return
     recorded = storage.read_json(run_file).get("verifier", {})

@@ -1,39 +1,24 @@
 """Resumable outputs written in parts: stage 00's regenerated rows and stage 01's shards.
 
-An output folder holds the settings it was started with (run.json, pinned: a resume with other settings
-is refused naming them), one file per finished part (a killed run resumes at the first missing one), and,
-once every part is there, the joined output, rejects.jsonl, meta.json and COMPLETE. Every input row is
-written or rejected: `check_every_row` refuses to finish otherwise.
+An output folder holds the settings it was started with (run.json, pinned by core/output.py's
+`StageOutput.in_place`: a resume with other settings is refused naming them), one file per finished part
+(a killed run resumes at the first missing one), and, once every part is there, the joined output,
+rejects.jsonl, meta.json and COMPLETE. Every input row is written or rejected: `check_every_row` refuses
+to finish otherwise.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.core import storage
 
-RUN_FILE = "run.json"  # the settings a resumable output was started with; a resume must match them
 REJECTS_FILE = "rejects.jsonl"  # one {"row", "reason"} per rejected input row
 
 Block = tuple[int, int]  # input rows [start, end) of one part
-
-
-def open_output(out_dir: Path, overwrite: bool, settings: dict[str, Any]) -> bool:
-    """Ready `out_dir` to write or resume; False (a logged skip) when it is complete already. Overwrite
-    starts over; leftovers of an interrupted write go; the settings are pinned."""
-    if storage.is_complete(out_dir) and not overwrite:
-        storage.log_skip(out_dir)
-        return False
-    if overwrite and out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    storage.clear_tmp(out_dir)
-    storage.pin_run_settings(out_dir / RUN_FILE, settings)
-    return True
 
 
 def blocks(start: int, end: int, rows_per_part: int) -> list[Block]:

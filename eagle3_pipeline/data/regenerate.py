@@ -40,6 +40,7 @@ from eagle3_pipeline.data.conversations import (
     render_ids,
 )
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.data.samples import accepted_rows
 from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
 
@@ -267,17 +268,17 @@ def run(cfg: RegenerateConfig) -> int:
     data_path, verifier_path, out_dir = Path(cfg.data_path), Path(cfg.verifier_path), Path(cfg.out_dir)
     if not data_path.exists():
         raise UserError(f"{data_path}: data not found (--data-path)")
-    storage.check_stale_asides(out_dir, storage.is_complete(out_dir))
-    if storage.is_complete(out_dir) and not cfg.overwrite:
-        storage.log_skip(out_dir)
+    out = StageOutput(out_dir, cfg.overwrite)
+    if out.skip(asides=True):
         return 0
-    with storage.output_lock(out_dir):  # the one writer of out_dir, before any work
-        return _regenerate(cfg, data_path, verifier_path, out_dir)
+    with out.lock():  # the one writer of out_dir, before any work
+        return _regenerate(cfg, data_path, verifier_path, out)
 
 
-def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out_dir: Path) -> int:
+def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out: StageOutput) -> int:
     from transformers import AutoTokenizer
 
+    out_dir = out.out_dir
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)
     stop_ids = end_token_ids(verifier_path, tokenizer)
@@ -302,8 +303,8 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
                                          "rows_per_part", "data_split", "chat_template_kwargs",
                                          "trust_remote_code")},
     }  # fmt: skip
-    with storage.overwriting(out_dir, cfg.overwrite):  # the old output stays until the new one is complete
-        if not parts.open_output(out_dir, cfg.overwrite, settings):  # finished by a writer just gone
+    with out.in_place(settings) as started:  # the old output stays until the new one is complete
+        if not started:  # finished by a writer just gone
             return 0
         blocks = parts.blocks(0, total, cfg.rows_per_part)
         todo = parts.todo(out_dir, blocks, _part)
@@ -319,7 +320,7 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
             gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
             with gen_cls(verifier_path, cfg, stop_ids) as generator:
                 _run_parts(cfg, out_dir, blocks, todo, tokenizer, generator)
-        _finish(cfg, out_dir, blocks, settings, total)
+        _finish(cfg, out, blocks, settings, total)
     return 0
 
 
@@ -382,8 +383,9 @@ def _run_parts(
         bar.close()
 
 
-def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[str, Any], total: int) -> None:
-    rows, rejects = [], []
+def _finish(cfg: RegenerateConfig, out: StageOutput, blocks: list, settings: dict[str, Any],
+            total: int) -> None:  # fmt: skip
+    out_dir, rows, rejects = out.out_dir, [], []
     for n in range(len(blocks)):
         for line in (out_dir / _part(n)).read_text().splitlines():
             obj = json.loads(line)
@@ -398,8 +400,7 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
             finishes[s["finish_reason"]] = finishes.get(s["finish_reason"], 0) + 1
             lengths.append(len(s["completion_ids"]))
     tokens, spread = sum(lengths), length_summary(lengths)
-    storage.write_json_atomic(
-        out_dir / storage.META_NAME,
+    out.finish(
         {
             "stage": "00_regenerate",
             **settings,
@@ -414,7 +415,6 @@ def _finish(cfg: RegenerateConfig, out_dir: Path, blocks: list, settings: dict[s
             **provenance(cfg),
         },
     )
-    storage.mark_complete(out_dir)
     log.info(
         "done %s | rows %d | regenerated %d | rejected %d | completion tokens %d | finish %s",
         out_dir, total, len(rows), len(rejects), tokens, json.dumps(finishes),

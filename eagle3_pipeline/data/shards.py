@@ -28,6 +28,7 @@ from eagle3_pipeline.data import parts, state_dtype
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.output import RUN_FILE, StageOutput, changed_settings
 
 log = logging.getLogger("eagle3.shards")
 
@@ -112,7 +113,7 @@ def find_shard_dirs(data_dirs: list[str]) -> list[Path]:
         p = Path(d)
         if not p.is_dir():
             raise UserError(f"{p}: not a folder (--data-dir)")
-        if (p / storage.META_NAME).exists() or (p / parts.RUN_FILE).exists() or p.name.startswith("rows_"):
+        if (p / storage.META_NAME).exists() or (p / RUN_FILE).exists() or p.name.startswith("rows_"):
             out.append(p)
         else:
             found = sorted(q for q in p.iterdir() if q.is_dir() and q.name.startswith("rows_"))
@@ -149,17 +150,16 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
 
 
 @contextlib.contextmanager
-def open_for_output(data_dirs: list[str], out_dir: Path, overwrite: bool) -> Iterator[ShardSet | None]:
-    """What stages 02 and 03 do first: None (a logged skip) when `out_dir` is complete and not
-    `overwrite`; else, this process the one writer of `out_dir` for the block (storage.output_lock),
-    the shards, opened and checked before an unfinished output is removed."""
-    if storage.is_complete(out_dir) and not overwrite:
-        storage.log_skip(out_dir)
+def open_for_output(data_dirs: list[str], out: StageOutput) -> Iterator[ShardSet | None]:
+    """What stages 02 and 03 do first: None (a logged skip) when `out` is complete and not --overwrite;
+    else, this process the one writer of `out` for the block (StageOutput.lock), the shards, opened and
+    checked before an unfinished output is removed."""
+    if out.skip():
         yield None
         return
-    with storage.output_lock(out_dir):
+    with out.lock():
         shard_set = open_shards(data_dirs)
-        if not storage.prepare_output_dir(out_dir, overwrite):  # another writer finished it meanwhile
+        if not out.start_fresh():  # another writer finished it meanwhile
             yield None
             return
         yield shard_set
@@ -185,7 +185,7 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
             f"{shard / storage.META_NAME}: missing {missing}; this stage needs them (re-extract "
             "the shard with this version of 01_extract_hidden_states.py)"
         )
-    _check_run_settings(shard, meta)
+    _check_meta_matches_run(shard, meta)
     # recorded relative to the shard (storage.record_path): read back as a path to open, here only
     meta["verifier"]["path"] = str(storage.recorded_path(meta["verifier"]["path"], shard))
     manifest_path = shard / MANIFEST_FILE
@@ -211,15 +211,15 @@ def _check_shard(shard: Path, verify: bool) -> dict[str, Any]:
     return meta
 
 
-def _check_run_settings(shard: Path, meta: dict[str, Any]) -> None:
+def _check_meta_matches_run(shard: Path, meta: dict[str, Any]) -> None:
     """meta.json against the run.json stage 01 pinned (the same settings, written apart): every fact a
     consumer reads of meta.json (verifier, layer ids, dtypes, fp8 scales, template) is among them, so a
     changed byte in either file is refused here instead of read as another verifier or layout."""
-    run_file = shard / parts.RUN_FILE
+    run_file = shard / RUN_FILE
     if not run_file.is_file():  # a shard written before run.json was kept: meta.json alone
         return
     run = storage.read_json(run_file)
-    differ = sorted(k for k in run if meta.get(k) != run[k])
+    differ = changed_settings(run, meta, keys=sorted(run))
     if meta["hidden_size"] != meta["verifier"]["hidden_size"]:
         differ.append("hidden_size")
     if differ:
@@ -412,9 +412,12 @@ def write_part(
     storage.write_json_atomic(shard / part_info_name(n), info)
 
 
-def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], provenance: dict[str, Any]) -> None:
+def finish_shard(
+    out: StageOutput, num_parts: int, settings: dict[str, Any], provenance: dict[str, Any]
+) -> None:
     """manifest.json, rejects.jsonl, meta.json and COMPLETE from the parts' records (every input row written
     or rejected, else RuntimeError); the part records go only once COMPLETE is there."""
+    shard = out.out_dir
     files, rejects = [], []
     num_samples = num_tokens = num_loss_tokens = num_rows_written = num_truncated = 0
     for n in range(num_parts):
@@ -454,8 +457,7 @@ def finish_shard(shard: Path, num_parts: int, settings: dict[str, Any], provenan
         "manifest_sha256": manifest_sha,
         **provenance,
     }
-    storage.write_json_atomic(shard / storage.META_NAME, meta)
-    storage.mark_complete(shard)
+    out.finish(meta)
     for n in range(num_parts):  # only now: a crash before COMPLETE must find every finished part
         (shard / part_info_name(n)).unlink()
     log.info(

@@ -17,6 +17,7 @@ from eagle3_pipeline.data.config import SplitConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.samples import conversation_id
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.data.shards import SampleRef, open_for_output
 
 log = logging.getLogger("eagle3.split")
@@ -47,25 +48,26 @@ def split_samples(
 
 def run(cfg: SplitConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    with open_for_output(cfg.data_dir, out_dir, cfg.overwrite) as shard_set:
+    out = StageOutput(out_dir, cfg.overwrite)
+    with open_for_output(cfg.data_dir, out) as shard_set:
         if shard_set is None:
             return 0
         train, val = split_samples(shard_set.samples, cfg.seed, cfg.val_ratio)
-        tmp = storage.fresh_tmp_dir(out_dir)
-        storage.write_json_atomic(
-            tmp / SPLIT_FILE, {"train": [s.sample_id for s in train], "val": [s.sample_id for s in val]}
-        )
-        meta = {
-            "stage": "03_split_data",
-            "num_train": len(train),
-            "num_val": len(val),
-            "train_tokens": sum(s.num_tokens for s in train),
-            "val_tokens": sum(s.num_tokens for s in val),
-            "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
-            **shard_set.made_from(out_dir),
-            **provenance(cfg),
-        }
-        storage.publish_dir(tmp, out_dir, meta)
+        with out.building() as tmp:
+            storage.write_json_atomic(
+                tmp / SPLIT_FILE, {"train": [s.sample_id for s in train], "val": [s.sample_id for s in val]}
+            )
+            meta = {
+                "stage": "03_split_data",
+                "num_train": len(train),
+                "num_val": len(val),
+                "train_tokens": sum(s.num_tokens for s in train),
+                "val_tokens": sum(s.num_tokens for s in val),
+                "split_sha256": storage.sha256_file(tmp / SPLIT_FILE),
+                **shard_set.made_from(out_dir),
+                **provenance(cfg),
+            }
+            out.publish(tmp, meta)
         log.info(
             "done %s | train %d conversations (%d tokens) | val %d (%d tokens)",
             out_dir,

@@ -18,6 +18,7 @@ from eagle3_pipeline.core import storage
 from eagle3_pipeline.data.config import VocabConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.data.shards import iter_part_tokens, open_for_output
 
 log = logging.getLogger("eagle3.vocab")
@@ -51,7 +52,8 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.
 
 def run(cfg: VocabConfig) -> int:
     out_dir = Path(cfg.out_dir)
-    with open_for_output(cfg.data_dir, out_dir, cfg.overwrite) as shard_set:
+    out = StageOutput(out_dir, cfg.overwrite)
+    with open_for_output(cfg.data_dir, out) as shard_set:
         if shard_set is None:
             return 0
         vocab_size = shard_set.meta["verifier"]["vocab_size"]
@@ -66,23 +68,23 @@ def run(cfg: VocabConfig) -> int:
         total = int(counts.sum())
         covered = int(counts[selected].sum())
         coverage = covered / max(total, 1)
-        tmp = storage.fresh_tmp_dir(out_dir)
-        digest = storage.save_safetensors_atomic(
-            {"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE
-        )
-        meta = {
-            "stage": STAGE,
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "vocab_size": vocab_size,
-            "loss_tokens": total,
-            "covered_loss_tokens": covered,
-            "coverage": coverage,
-            "distinct_loss_tokens": int((counts > 0).sum()),
-            "mapping_sha256": digest,
-            **shard_set.made_from(out_dir),
-            **provenance(cfg),
-        }
-        storage.publish_dir(tmp, out_dir, meta)
+        with out.building() as tmp:
+            digest = storage.save_safetensors_atomic(
+                {"d2t": d2t, "t2d": t2d, "counts": counts}, tmp / MAPPING_FILE
+            )
+            meta = {
+                "stage": STAGE,
+                "draft_vocab_size": cfg.draft_vocab_size,
+                "vocab_size": vocab_size,
+                "loss_tokens": total,
+                "covered_loss_tokens": covered,
+                "coverage": coverage,
+                "distinct_loss_tokens": int((counts > 0).sum()),
+                "mapping_sha256": digest,
+                **shard_set.made_from(out_dir),
+                **provenance(cfg),
+            }
+            out.publish(tmp, meta)
         log.info(
             "done %s | draft vocab %d of %d | coverage %.4f of %d loss-masked target tokens (%d distinct)",
             out_dir,

@@ -29,6 +29,7 @@ from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.export_eval.config import EvaluateConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import RowRejected, read_rows
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.reference_mla import read_export
 from eagle3_pipeline.data.samples import first_prompt
@@ -260,7 +261,7 @@ def run(cfg: EvaluateConfig) -> int:
     if not (draft_dir / "config.json").is_file():
         raise UserError(f"{draft_dir}: no config.json; --draft-dir must be an export from 05_export.py")
     # the one writer of the folder its result goes into (the export folder, or --out-dir), before any work
-    with storage.output_lock(Path(cfg.out_dir) if cfg.out_dir else draft_dir):
+    with StageOutput(cfg.out_dir or draft_dir).lock():
         return _evaluate(cfg, draft_dir)
 
 

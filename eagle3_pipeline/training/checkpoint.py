@@ -23,6 +23,7 @@ import torch
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.errors import DiskFull, UserError
+from eagle3_pipeline.core.output import StageOutput
 
 log = logging.getLogger("eagle3.checkpoint")
 
@@ -103,12 +104,8 @@ def save(
     keep_last: int,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + storage.TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    final = StageOutput(step_dir(root, step), overwrite=True)
+    with final.building() as tmp:  # a full disk drops the unfinished checkpoint (it never counted)
         digests = {
             WEIGHTS_FILE: storage.save_safetensors_atomic(
                 {k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE
@@ -118,13 +115,10 @@ def save(
         digests[STATE_FILE] = storage.sha256_file(tmp / STATE_FILE)
         files = {n: {"sha256": d, "bytes": (tmp / n).stat().st_size} for n, d in digests.items()}
         storage.write_json_atomic(tmp / INFO_FILE, {"step": step, **info, FILES_KEY: files})
-    except DiskFull:  # drop the unfinished checkpoint (it never counted) to free its space
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    storage.publish_dir(tmp, final)
-    _update_best(root, final, info)
+    final.publish(tmp)
+    _update_best(root, final.out_dir, info)
     _prune(root, keep_last)
-    return final
+    return final.out_dir
 
 
 def _update_best(root: Path, ckpt: Path, info: dict[str, Any]) -> None:

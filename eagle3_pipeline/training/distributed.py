@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.core.errors import UserError
 
 log = logging.getLogger("eagle3.train")
@@ -101,14 +101,14 @@ def _this_host() -> tuple[str, list[str]]:
 
 
 @contextlib.contextmanager
-def rank0_output_lock(out_dir: Path, dist: Dist) -> Iterator[None]:
-    """Rank 0 the one writer of the run folder for the block (storage.output_lock); its refusal is every
+def rank0_output_lock(out: StageOutput, dist: Dist) -> Iterator[None]:
+    """Rank 0 the one writer of the run folder for the block (StageOutput.lock); its refusal is every
     rank's, so none waits at a collective for a rank 0 that has stopped."""
     with contextlib.ExitStack() as held:
         refused: str | None = None
         if dist.rank == 0:
             try:
-                held.enter_context(storage.output_lock(out_dir))
+                held.enter_context(out.lock())
             except UserError as e:
                 refused = str(e)
         if dist.enabled:

@@ -3,10 +3,11 @@
 A run is set up in pieces, each readable on its own: the data (`open_data`), the draft's shape
 (`draft_spec`), the resume check (`check_resume`), the model (`build_model`), the optimizer and the
 scheduler sized from the run's length (`build_optimizer`, schedule.py), the resume (`restore`), the
-online servers; only then the output folder (`RunDir`: a refused run writes nothing, and --overwrite keeps
-the old run until the new one's first checkpoint), then the step loop (`TrainLoop`). Packing lives in
-packing.py, which micro-batches each rank trains at each step (every sample once an epoch, on any number
-of ranks) in epochs.py, the loss, validation metrics and the Recipe a resume compares in
+online servers; only then the output folder (core/output.py's StageOutput, built in place: a refused run
+writes nothing, and --overwrite keeps the old run until the new one's first checkpoint), then the step loop
+(`TrainLoop`), its interval log in interval_log.py and a NaN step's diagnosis in non_finite.py. Packing
+lives in packing.py, which micro-batches each rank trains at each step (every sample once an epoch, on any
+number of ranks) in epochs.py, the loss, validation metrics and the Recipe a resume compares in
 train_metrics.py, torchrun plumbing (several nodes, a lost rank) in distributed.py, the choice of
 attention, loss and compile for the device in kernel_policy.py (recorded in meta.json under "kernels").
 Per micro-batch, samples are packed into one row with document ids (packing.py); TTT unrolls
@@ -20,12 +21,9 @@ while training (online.py) instead of read from shards.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import os
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,6 @@ from eagle3_pipeline.core.config import config_to_dict, provenance
 from eagle3_pipeline.training.distributed import (
     Dist,
     StopFlag,
-    all_reduce_sums,
     check_run_dir,
     init_distributed,
     lost_rank_error,
@@ -56,12 +53,15 @@ from eagle3_pipeline.models.draft import (
     spec_for_training,
     trainable_names,
 )
+from eagle3_pipeline.training.interval_log import Meter, log_interval
+from eagle3_pipeline.training.non_finite import step_error
 from eagle3_pipeline.training.epochs import EpochCount, EpochPlan, padding_of
 from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.output import StageOutput, same_run
 from eagle3_pipeline.training.online import NoServerLeft
 from eagle3_pipeline.data.packing import ERROR_KEY, BatchDataset, micro_batches, pack, raise_batch_errors
 from eagle3_pipeline.data.shards import (
-    SampleRef, ShardSet, check_built_from, has_states, load_sample, open_shards,
+    SampleRef, ShardSet, check_built_from, has_states, open_shards,
 )
 from eagle3_pipeline.data.split import load_split, split_samples
 from eagle3_pipeline.training.train_metrics import (
@@ -70,7 +70,6 @@ from eagle3_pipeline.training.train_metrics import (
     forward,
     log_validation,
     non_finite_slots,
-    summarize,
     validate,
     with_state_noise,
 )
@@ -156,70 +155,20 @@ def draft_spec(cfg: TrainConfig, data: RunData) -> DraftSpec:
 
 def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
     """The checkpoint to resume from, if any (none with --overwrite), refused when the run folder's meta.json
-    records other RESUME_KEYS or another Recipe field (named, with the flag); reads only."""
+    records other RESUME_KEYS or another Recipe field (named, with the flag: output.same_run); reads
+    only."""
     out_dir = Path(cfg.out_dir)
     resume_from = None if cfg.overwrite else checkpoint.latest(checkpoint.root_of(out_dir))
     meta_path = out_dir / storage.META_NAME
     if resume_from is None or not meta_path.exists():
         return resume_from
-    old = storage.read_json(meta_path)
-    if "shard_manifests" not in old:  # a run folder of an older version: its shards were recorded by path
+    keys = list(RESUME_KEYS)
+    if "shard_manifests" not in storage.read_json(meta_path):  # an older version's: shards recorded by path
         log.warning("%s records no shard checksums (older version): the shards are not compared", meta_path)
-        old["shard_manifests"] = run_meta["shard_manifests"]
-    changed = [k for k in RESUME_KEYS if k != "recipe" and old.get(k) != run_meta[k]]
-    before = old.get("recipe", {})
-    changed += [
-        f"--{k.replace('_', '-')} (was {before.get(k, 'not recorded')!r}, now {v!r})"
-        for k, v in run_meta["recipe"].items() if k not in before or before[k] != v
-    ]  # fmt: skip
-    if changed:
-        raise UserError(
-            f"{meta_path}: the checkpoints in {checkpoint.root_of(out_dir)} were trained with other "
-            f"{', '.join(changed)}; an exact resume needs the same; rerun with those settings, use another "
-            "--out-dir, or --overwrite"
-        )
+        keys.remove("shard_manifests")
+    same_run(meta_path, run_meta, keys, flags="recipe",
+             state=f"trained the checkpoints in {checkpoint.root_of(out_dir)}")  # fmt: skip
     return resume_from
-
-
-class RunDir:
-    """The run folder, written only once every check has passed and every input is open (`open`).
-    --overwrite moves the old run to a hidden sibling `.<name>.old-<pid>`, deleted when the new run has
-    saved its first complete checkpoint (`kept`); a run that ends before that with an error or an interrupt
-    puts the old run back and leaves no folder it created (`close`; after a SIGKILL the old run is still
-    in its hidden sibling, named in the log, and the next run refuses to start until it is put back or
-    discarded: storage.check_stale_asides). Rank 0 only."""
-
-    def __init__(self, out_dir: Path, overwrite: bool, rank: int):
-        self.out_dir, self.overwrite, self.rank0 = out_dir, overwrite, rank == 0
-        self.aside: Path | None = None
-        self.created = self.has_checkpoint = False
-
-    def open(self, meta: dict[str, Any]) -> None:
-        if not self.rank0:
-            return
-        if self.overwrite and self.out_dir.exists():
-            self.aside = storage.aside_dir(self.out_dir)
-            os.replace(self.out_dir, self.aside)
-            log.info("--overwrite: the old run is at %s until the new run's first checkpoint", self.aside)
-        self.created = not self.out_dir.exists()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        storage.write_json_atomic(self.out_dir / storage.META_NAME, meta)
-
-    def kept(self) -> None:
-        """A complete checkpoint of the new run exists: the old run is not needed any more."""
-        self.has_checkpoint = True
-        if self.aside is not None:
-            shutil.rmtree(self.aside)
-            self.aside = None
-
-    def close(self) -> None:
-        if not self.rank0 or self.has_checkpoint:
-            return
-        if self.created and self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
-        if self.aside is not None:
-            os.replace(self.aside, self.out_dir)
-            log.warning("the new run saved no checkpoint: the old run is back in %s", self.out_dir)
 
 
 def resolve_kernels(cfg: TrainConfig, device: torch.device) -> kernels.Kernels:
@@ -305,11 +254,12 @@ def run(cfg: TrainConfig) -> int:
     a writer would be pruning)."""
     trackers.check_loggers(cfg.loggers)  # a tracker whose package is missing stops the run before any work
     dist, device = init_distributed(cfg.dist_timeout_s)
-    with rank0_output_lock(Path(cfg.out_dir), dist):
-        return _run(cfg, dist, device)
+    out = StageOutput(cfg.out_dir, cfg.overwrite)
+    with rank0_output_lock(out, dist):
+        return _run(cfg, dist, device, out)
 
 
-def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
+def _run(cfg: TrainConfig, dist: Dist, device: torch.device, out: StageOutput) -> int:
     torch.manual_seed(cfg.seed)
     sequence_parallel.setup(cfg, dist)  # before the plan: rows are dealt by data-parallel rank
     data = open_data(cfg)
@@ -323,8 +273,7 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
     run_meta = _run_meta(cfg, data, spec, verifier_path, plan, kern)
     resume_from = check_resume(cfg, run_meta)
     if dist.rank == 0:
-        out_dir = Path(cfg.out_dir)
-        storage.check_stale_asides(out_dir, checkpoint.latest(checkpoint.root_of(out_dir)) is not None)
+        out.check_asides(checkpoint.latest(checkpoint.root_of(out.out_dir)) is not None)
     model, names = build_model(cfg, spec, data, verifier_path, device, kern)
     sequence_parallel.bind_for(model, spec, kern, dist)  # the linear-memory forward called through DDP
     log.info("kernels | attention %s | loss %s (%s) | compile %s | rows padded to %s", kern.attn_impl,
@@ -338,15 +287,14 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
     optimizer, scheduler = build_optimizer(cfg, params, plan)
     prog = restore(resume_from, model, optimizer, scheduler, plan.total_steps, dist.dp_world * cfg.grad_accum)
     if prog.step >= plan.total_steps:
-        log.info("skip: %s already reached step %d of %d (use --overwrite to retrain)", cfg.out_dir,
-                 prog.step, plan.total_steps)  # fmt: skip
+        out.log_skip(f"already reached step {prog.step} of {plan.total_steps}", "retrain")
         return 0
     online = _open_online(cfg, data, dist)  # the servers asked before anything is written
     log.info("plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
              plan.total_steps, plan.steps_per_epoch, plan.warmup_steps, plan.eval_every, plan.save_every,
              cfg.lr, cfg.lr_schedule)  # fmt: skip
-    run_dir = RunDir(Path(cfg.out_dir), cfg.overwrite, dist.rank)
-    run_dir.open({**run_meta, **provenance(cfg)})
+    if dist.rank == 0:  # the old run (--overwrite) kept aside until the new run's first checkpoint
+        out.open_in_place("run", {**run_meta, **provenance(cfg)})
     try:
         # every rank sees rank 0's run folder and its checkpoint (a folder local to each node is refused)
         check_run_dir(Path(cfg.out_dir), resume_from, dist)
@@ -361,7 +309,7 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
                 model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
             )
         loop = TrainLoop(cfg, plan, dist, device, ddp_model, model, names, params, optimizer, scheduler, data,
-                         kern, online, tracker, run_dir.kept)  # fmt: skip
+                         kern, online, tracker, out.kept)  # fmt: skip
         try:
             code = loop.run(prog)
         except RuntimeError as e:  # a rank lost (its node, its process): one line naming it, not a traceback
@@ -372,7 +320,8 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device) -> int:
         finally:
             tracker.close()
     finally:
-        run_dir.close()
+        if dist.rank == 0:  # no checkpoint saved: the old run back, a folder this run made removed
+            out.close_in_place()
     # DDP's reducer holds the process group: freed (its reference cycles too) before the group is destroyed,
     # not at interpreter exit, where a gloo worker thread still alive aborts the rank ("terminate called
     # without an active exception", SIGABRT after a finished run)
@@ -449,7 +398,7 @@ class TrainLoop:
     kern: kernels.Kernels
     online: Any = None  # online.OnlineSource with states = "online"
     tracker: trackers.Trackers = field(default_factory=trackers.Trackers)
-    on_saved: Any = None  # called after each complete checkpoint (RunDir.kept)
+    on_saved: Any = None  # called after each complete checkpoint (StageOutput.kept)
 
     def __post_init__(self) -> None:
         self.autocast_dtype = _autocast_dtype(self.cfg.dtype, self.device)
@@ -500,7 +449,7 @@ class TrainLoop:
     ) -> tuple[float, int]:
         """grad_accum micro-batches (padding past the epoch's last: weight 0), clip, step; (gradient norm,
         tokens seen by all ranks). A step whose loss (on any rank) or gradient norm is NaN or Inf is not
-        applied: the run stops with a UserError naming the step and its samples (`_non_finite`)."""
+        applied: the run stops with a UserError naming the step and its samples (non_finite.py)."""
         cfg, ep, in_epoch = self.cfg, count.plan, step - count.epoch_start
         self.optimizer.zero_grad(set_to_none=True)
         tokens = 0
@@ -526,7 +475,7 @@ class TrainLoop:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # global under DDP
         bad_slots = non_finite_slots(flags, self.dist)  # every rank the same: all stop, none waits
         if bad_slots or not math.isfinite(float(grad_norm)):
-            raise _non_finite(self, step, ep, in_epoch, bad_slots, float(grad_norm))
+            raise step_error(self, step, ep, in_epoch, bad_slots, float(grad_norm))
         self.optimizer.step()
         self.scheduler.step()
         return float(grad_norm), tokens
@@ -538,7 +487,7 @@ class TrainLoop:
             log_validation(0, prog.history["untrained"], "untrained")
             self.tracker.log(trackers.prefixed("val", prog.history["untrained"]), 0)
         stop = StopFlag()
-        meter = _Meter(prog.step)
+        meter = Meter(prog.step)
         bar = progress(total=plan.total_steps, initial=prog.step, desc="train", unit="step")
         self.ddp_model.train()
         try:
@@ -552,7 +501,7 @@ class TrainLoop:
                     meter.tokens += tokens
                     bar.update(1)
                     if prog.step % cfg.log_every == 0 or prog.step == plan.total_steps:
-                        _log_interval(self, prog.step, ep.epoch, grad_norm, meter)
+                        log_interval(self, prog.step, ep.epoch, grad_norm, meter)
                     if in_epoch == ep.steps:  # every rank at the same step: the sum over ranks, checked
                         count.report(self.dist, self.device)
                     if self._after_step(prog, stop):
@@ -583,55 +532,6 @@ class TrainLoop:
         return stopping
 
 
-def _non_finite(
-    loop: TrainLoop, step: int, ep: EpochPlan, in_epoch: int, bad_slots: list[int], grad_norm: float
-) -> UserError:
-    """Why step `step` (0-based) was not applied: its samples (every rank's; those of the micro-batches
-    whose loss was not finite, if any), which of them hold non-finite states (read again from the
-    shards), the last complete checkpoint, what to do. Stop, not skip: a skipped step would train on
-    without its samples unnoticed, and a rerun meets the same NaN at the same step."""
-    slots = range(loop.cfg.grad_accum * loop.dist.dp_world)
-    refs = {i: _slot_refs(loop, ep, in_epoch, i) for i in slots}
-    named = [r for i in (bad_slots or slots) for r in refs[i]]
-    last = checkpoint.latest(checkpoint.root_of(Path(loop.cfg.out_dir)))
-    what = f"the loss of {len(bad_slots)} micro-batch(es)" if bad_slots else "finite loss"
-    head = (
-        f"step {step + 1}: NaN or Inf ({what}, gradient norm {grad_norm}): the step was not applied and "
-        f"the run stops (never skipped); its samples{' of that loss' if bad_slots else ''}: "
-        f"{[r.sample_id for r in named]}; the last complete checkpoint is kept: "
-        f"{last if last is not None else 'none yet'}. "
-    )
-    if loop.online is not None:  # states asked of the servers: nothing here to read them again
-        return UserError(
-            head + "Look for NaN/Inf in those samples' states from the servers; with finite states "
-            "the run diverged: rerun with a lower --lr or --grad-clip and --overwrite"
-        )
-    bad = [f"{r.sample_id!r} ({n} in {r.shard}/{r.file})" for r in named if (n := _non_finite_states(r))]
-    if bad:
-        return UserError(
-            head + f"NaN/Inf states in sample {', '.join(bad)}: re-extract that shard (stage 01 rejects "
-            "such rows), then rerun stages 02-04 with --overwrite (the samples change)"
-        )
-    return UserError(
-        head + "Their states are finite: the run diverged; rerun with a lower --lr or --grad-clip and "
-        "--overwrite or another --out-dir"
-    )
-
-
-def _slot_refs(loop: TrainLoop, ep: EpochPlan, in_epoch: int, slot: int) -> list[SampleRef]:
-    """The samples a slot (micro x world + rank) of a step of the epoch trained: its micro-batch, or
-    past the epoch's last the padding micro-batch's sample (the run's first)."""
-    micro, rank = divmod(slot, loop.dist.dp_world)
-    i = ep.global_index(in_epoch, micro, rank)
-    return ep.batches[i] if i < len(ep.batches) else loop.data.train_refs[:1]
-
-
-def _non_finite_states(ref: SampleRef) -> int:
-    """NaN/Inf values in a sample's stored states (aux and teacher)."""
-    sample = load_sample(ref, ("aux_hidden_states", "last_hidden_state"))
-    return sum(int((~torch.isfinite(t.float())).sum()) for t in sample.values())
-
-
 def _steps_in(loop: TrainLoop, epoch: int) -> int:
     """Optimizer steps of an epoch (past the config's epochs when max_steps cycles on)."""
     steps = loop.plan.epoch_steps
@@ -655,37 +555,6 @@ def _padding(loop: TrainLoop) -> dict[str, torch.Tensor]:
     return loop._padding_batch
 
 
-def _log_interval(loop: TrainLoop, step: int, epoch: int, grad_norm: float, meter: _Meter) -> None:
-    """One greppable line per interval (and train_log.jsonl on rank 0, the trackers): the interval's
-    metrics over all ranks."""
-    m = summarize(all_reduce_sums(meter.sums, loop.dist, loop.device), loop.recipe.depths)
-    elapsed = time.time() - meter.t0
-    line = {
-        "step": step,
-        "epoch": epoch,
-        "loss": m["loss"],
-        "acc0": m["acc_0"],
-        "lr": loop.scheduler.get_last_lr()[0],
-        "grad_norm": grad_norm,
-        "tok_per_s": meter.tokens / max(elapsed, 1e-9),
-    }
-    log.info(
-        "step %d/%d | loss %.4f | acc0 %.3f | lr %.2e | gnorm %.2f | tok/s %.0f | eta %.0fs",
-        step,
-        loop.plan.total_steps,
-        m["loss"],
-        m["acc_0"],
-        line["lr"],
-        grad_norm,
-        line["tok_per_s"],
-        elapsed / max(1, step - meter.start_step) * (loop.plan.total_steps - step),
-    )
-    if loop.dist.rank == 0:
-        storage.append_text(Path(loop.cfg.out_dir) / "train_log.jsonl", json.dumps(line) + "\n")
-    loop.tracker.log(trackers.prefixed("train", {k: v for k, v in line.items() if k != "step"}), step)
-    meter.sums = {}
-
-
 @dataclass
 class _Checked:
     """A DataLoader whose iteration raises the UserError of a batch that failed to load (packing.py)."""
@@ -694,14 +563,6 @@ class _Checked:
 
     def __iter__(self) -> Any:
         return raise_batch_errors(self.loader)
-
-
-@dataclass
-class _Meter:
-    start_step: int
-    t0: float = field(default_factory=time.time)
-    tokens: int = 0
-    sums: dict[str, float] = field(default_factory=dict)
 
 
 def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
