@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import draft_spec
-from test_long_memory import DOCS, DRAFT_VOCAB, L, PLAIN_NORMS, _assert_same_step, _row, small_chunks  # noqa: F401
+from test_long_memory import DOCS, DRAFT_VOCAB, L, PLAIN_NORMS, _assert_same_step, _row
+from test_long_memory import small_chunks  # noqa: F401 (the autouse fixture: 64-token chunks here too)
 
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models import draft_window, linear_memory
@@ -104,3 +105,87 @@ def test_a_window_is_refused_for_an_mla_draft_a_parallel_draft_and_flex():
         draft_spec(64, 200, DRAFT_VOCAB, (1, 2, 3), parallel_drafting=True, sliding_window=16)
     with pytest.raises(UserError, match="sliding_window with attn_impl flex"):
         kernels.resolve("flex", "eager", "off", torch.device("cuda"), 4096, windowed=True)
+
+
+def _export_spec(window: int | None):
+    """A llama draft over the tiny Kimi-latent verifier (hidden 256), windowed or not."""
+    from test_mla_draft import train_cfg
+
+    from eagle3_pipeline.models.draft import spec_for_training
+    from eagle3_pipeline.models.tiny import tiny_config
+
+    cfg = train_cfg(draft_arch="llama", num_key_value_heads=2, head_dim=64, sliding_window=window)
+    return spec_for_training(cfg, tiny_config("kimi_mla"), 96, (2, 4, 5))
+
+
+def _samples(spec, lengths=(20, 28)) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(3)
+    H = spec.hidden_size
+    return [{"input_ids": torch.randint(0, spec.vocab_size, (n,)), "loss_mask": torch.ones(n).bool(),
+             "aux_hidden_states": torch.randn(n, 3, H), "last_hidden_state": torch.randn(n, H)}
+            for n in lengths]  # fmt: skip
+
+
+def test_the_export_carries_vllms_window_keys_and_the_gate_refuses_another_window(tmp_path):
+    """config.json: layer_types [sliding_attention] + sliding_window (none for a full draft); the gate
+    refuses, naming the key, a missing, extra or different window and a malformed layer_types."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_mla_draft import _export, _random_draft
+
+    from eagle3_pipeline.export_eval.export import export_config, static_problems
+
+    s, full = _export_spec(6), _export_spec(None)
+    model = _random_draft(s)
+    d = _export(s, model, tmp_path / "draft")
+    config = json.loads((d / "config.json").read_text())
+    assert (config["layer_types"], config["sliding_window"]) == (["sliding_attention"], 6)
+    assert not {"layer_types", "sliding_window"} & set(export_config(full, {}))
+    tensors = load_file(str(d / "model.safetensors"))
+
+    def problems(spec, **changes):
+        c = {k: v for k, v in {**config, **changes}.items() if v is not ...}
+        return static_problems(c, tensors, {"draft": spec.to_json(), "d2t": model.d2t})
+
+    assert problems(s) == []
+    for spec, change, named in [
+        (s, {"sliding_window": 8}, "sliding_window 8 != trained 6"),
+        (s, {"layer_types": ...}, "sliding_window missing: .*6-token window"),
+        (s, {"layer_types": ["full_attention"]}, "sliding_window missing"),
+        (s, {"layer_types": ["sliding_attention"] * 2}, "layer_types .* must list 1"),
+        (full, {}, "vLLM would attend within 6 tokens; the draft was trained with full attention"),
+        (full, {"layer_types": ...}, "sliding_window 6 without a sliding layer"),
+    ]:
+        import re
+
+        assert any(re.search(named, p) for p in problems(spec, **change)), (change, problems(spec, **change))
+
+
+def test_the_read_back_attends_within_the_window_as_training_did(tmp_path, monkeypatch):
+    """The gate's read-back (the export read as vLLM reads it, window included, against the trained
+    draft's TTT steps 0 and 1 under the served rule) matches to rounding on samples longer than the
+    window; speculators' own forward of the same draft (its window counted from the query) does not, and
+    the read-back fails once config.json says another window (the static checks bypassed)."""
+    import json
+
+    from test_mla_draft import _export, _random_draft
+
+    from eagle3_pipeline.export_eval import export_window
+    from eagle3_pipeline.export_eval.export import readback_problems
+
+    s = _export_spec(6)
+    model = _random_draft(s, seed=2)
+    d = _export(s, model, tmp_path / "draft")
+    embed = model.embed_tokens.weight.detach()
+    problems, stats = readback_problems(d, model, embed, _samples(s), ttt_steps=2)
+    assert problems == [] and stats["normalised_error"] < 1e-5, (problems, stats)
+    with monkeypatch.context() as m:
+        m.setattr(export_window, "run_windowed", lambda *a: False)
+        _, theirs = readback_problems(d, model, embed, _samples(s), ttt_steps=2)
+    assert theirs["normalised_error"] > 1000 * stats["normalised_error"], theirs
+    config = json.loads((d / "config.json").read_text())
+    for edit in ({"sliding_window": 5}, {"layer_types": ["full_attention"]}):
+        (d / "config.json").write_text(json.dumps({**config, **edit}))
+        problems, _ = readback_problems(d, model, embed, _samples(s), ttt_steps=2)
+        assert any("agrees with the trained draft on" in p for p in problems), (edit, problems)

@@ -384,3 +384,22 @@ def ttt_forward(
     metrics["loss_sum"] = loss.detach().clone()
     metrics["loss_total"] = torch.tensor(1.0, device=device)
     return loss, metrics
+
+
+def draft_steps(model: Any, batch: dict[str, torch.Tensor], ttt_steps: int) -> list[torch.Tensor]:
+    """The draft's logits [1, L, draft vocab] at each TTT step over a packed row (pack() keys: hidden
+    states, input ids, document ids, positions), teacher-forced as ttt_forward trains, under its dense
+    masks (a windowed draft's window per step): what the export's read-back compares against."""
+    from transformers import DynamicCache
+
+    n, doc = batch["hidden_states"].shape[1], batch["document_ids"].squeeze(0)
+    ahead = torch.cat([batch["input_ids"], batch["input_ids"].new_zeros(1, ttt_steps)], dim=-1)
+    hidden_states, position_ids = _fc(model, batch["hidden_states"]), batch["position_ids"]
+    mask, cache, out = _dense_mask(model, doc, n, 0), DynamicCache(), []
+    for step in range(ttt_steps):
+        hidden_states, head_in = _draft_step(
+            model, hidden_states, ahead[:, step : step + n], mask, position_ids, cache, step
+        )
+        out.append(model.lm_head(head_in))
+        mask, position_ids = _dense_mask(model, doc, n, step + 1, mask), position_ids + 1
+    return out
