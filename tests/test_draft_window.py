@@ -189,3 +189,13 @@ def test_the_read_back_attends_within_the_window_as_training_did(tmp_path, monke
         (d / "config.json").write_text(json.dumps({**config, **edit}))
         problems, _ = readback_problems(d, model, embed, _samples(s), ttt_steps=2)
         assert any("agrees with the trained draft on" in p for p in problems), (edit, problems)
+
+
+def test_the_window_is_part_of_the_drafts_spec_and_absent_without_one():
+    """meta.json's "draft" (which a resume compares) records the window; a full draft's record is as it
+    was before the setting (no key), so older runs resume."""
+    from eagle3_pipeline.models.draft import DraftSpec
+
+    assert _spec(16).to_json()["sliding_window"] == 16 and "sliding_window" not in _spec(None).to_json()
+    assert DraftSpec.from_json(_spec(16).to_json()) == _spec(16)
+    assert _spec(16).to_json() != _spec(32).to_json()

@@ -50,6 +50,17 @@ def ttt_mask_mod(doc: torch.Tensor, n: int, step: int, window: int | None) -> Ca
     return mask_mod
 
 
+def cache_mask(past: int, new: int, window: int | None) -> torch.Tensor:
+    """Which of past + new cached slots [past + new] each of `new` slots appended after `past` reads
+    [new, past + new], as vLLM's draft attention does: causal, within the window when there is one (a
+    slot is its sequence index: the cache holds every earlier one)."""
+    allowed = torch.ones(new, past + new, dtype=torch.bool).tril(diagonal=past)
+    if window is None:
+        return allowed
+    slots = torch.arange(past + new)
+    return allowed & in_window(slots[past:, None], slots[None], window)
+
+
 def layer_types_of(window: int | None) -> list[str] | None:
     """The one draft layer's `layer_types` entry config.json carries for vLLM (None: none written)."""
     return None if window is None else [SLIDING]

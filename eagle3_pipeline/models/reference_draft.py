@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core import rope_scaling
-from eagle3_pipeline.models.draft_window import in_window, served_window
+from eagle3_pipeline.models.draft_window import cache_mask, served_window
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,10 +177,7 @@ class ReferenceDraft:
         rep = self.heads // self.kv_heads
         kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
         scores = (q @ kk.transpose(1, 2)) / self.head_dim**0.5
-        allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
-        if self.sliding_window is not None:  # slots are sequence indices: the cache holds every one
-            allowed &= in_window(torch.arange(past, past + T)[:, None], torch.arange(past + T)[None],
-                                 self.sliding_window)  # fmt: skip
+        allowed = cache_mask(past, T, self.sliding_window)
         scores = scores.masked_fill(~allowed, float("-inf"))
         a = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(T, self.heads * self.head_dim) @ self.wo.T
         return a, new_cache
