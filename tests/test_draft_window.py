@@ -96,7 +96,7 @@ def test_the_blockwise_chunks_read_a_bounded_number_of_keys():
     assert max(a - lo for a, _, lo in full) == 4096 - 512
 
 
-def test_a_window_is_refused_for_an_mla_draft_a_parallel_draft_and_flex():
+def test_a_window_is_refused_for_an_mla_draft_a_parallel_draft_and_flex_and_auto_picks_blockwise():
     with pytest.raises(UserError, match="--sliding-window with --draft-arch mla"):
         draft_spec(64, 200, DRAFT_VOCAB, (1, 2, 3), num_attention_heads=4, draft_arch="mla",
                    mla_q_lora_rank=0, mla_kv_lora_rank=32, mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=8,
@@ -105,6 +105,10 @@ def test_a_window_is_refused_for_an_mla_draft_a_parallel_draft_and_flex():
         draft_spec(64, 200, DRAFT_VOCAB, (1, 2, 3), parallel_drafting=True, sliding_window=16)
     with pytest.raises(UserError, match="sliding_window with attn_impl flex"):
         kernels.resolve("flex", "eager", "off", torch.device("cuda"), 4096, windowed=True)
+    for device in ("cpu", "cuda"):  # auto: blockwise, through ttt_forward, uncompiled
+        k = kernels.resolve("auto", "eager", "auto", torch.device(device), 4096, windowed=True)
+        assert (k.attn_impl, k.linear_memory, k.compile) == ("blockwise", True, False)
+        assert kernels.resolve("sdpa", "eager", "auto", torch.device(device), 4096, windowed=True).linear_memory
 
 
 def _export_spec(window: int | None):

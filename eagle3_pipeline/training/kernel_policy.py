@@ -107,7 +107,8 @@ def resolve(
     """The implementations for `device` of the [train] settings (TrainConfig has checked their names);
     `max_row_tokens` bounds a packed row (buckets for compile). Refuses what this device cannot run."""
     cuda = device.type == "cuda"
-    attn = attention_impl(attn_impl, cuda)
+    # a windowed draft's auto: blockwise, whose chunks skip the keys out of reach (constant cost per token)
+    attn = "blockwise" if windowed and attn_impl == "auto" else attention_impl(attn_impl, cuda)
     if attn == "flex" and not cuda and needs_backward:
         raise UserError(
             "attn_impl flex: torch's FlexAttention has no backward on CPU; use sdpa (or auto) to train here"
