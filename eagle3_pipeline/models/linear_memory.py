@@ -11,7 +11,8 @@ swap one at a time; kernel_policy.py picks them):
   implementation BLOCKWISE_ATTN): query chunks of ATTN_CHUNK tokens attend to the keys the TTT mask lets
   them see, built per chunk from the document ids: in step 0's keys those of the chunk's documents up to
   the chunk's end (causal, same document, padding id -1 sees only itself), in each later step's keys
-  only the query's own position. A custom autograd function keeps q, k, v and recomputes each chunk in
+  only the query's own position; a windowed draft's only the keys within its window (draft_window.py),
+  so its chunks skip the rest and cost the same per query at any length. A custom autograd function keeps q, k, v and recomputes each chunk in
   backward, so neither scores nor masks outlive a chunk.
 - a chunked head and loss (`chunked_step_loss`): per LOSS_CHUNK positions, the draft's logits, the
   verifier's logits and the recipe's per-position losses under torch.utils.checkpoint, so backward
@@ -80,8 +81,8 @@ class DocumentMask:
         mask of draft_window.ttt_mask_mod at step steps - 1."""
         n, dev = self.doc.numel(), self.doc.device
         mod = draft_window.ttt_mask_mod(self.doc, n, steps - 1, self.window)
-        q, own = torch.arange(a, b, device=dev), torch.arange(a, b, device=dev)
-        keys = [torch.arange(lo, b, device=dev)] + [t * n + own for t in range(1, steps)]
+        q = torch.arange(a, b, device=dev)
+        keys = [torch.arange(lo, b, device=dev)] + [t * n + q for t in range(1, steps)]
         return torch.cat([mod(None, None, q[:, None], k[None]) for k in keys], dim=1)
 
 
