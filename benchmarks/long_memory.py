@@ -22,6 +22,12 @@ step: `growth` is the step's own peak above that baseline.
   (models/linear_memory.py) through train_metrics.forward, on the same draft layout (the same norms).
   The time spent in blockwise attention (forward + its recomputing backward) is measured apart.
 - `sdpa+eager`: this project's forward with speculators' kernels (not run unless --impls names it).
+- `blockwise+chunked+window`: `blockwise+chunked` on a draft with `[train] sliding_window` --window
+  (default 2048; models/draft_window.py): its chunks skip the keys out of reach, so the time per token
+  should stop growing with L (not run unless --impls names it):
+
+  nice -n 5 .venv/bin/python -m benchmarks.long_memory --shapes tiny --lengths 4096 8192 16384 32768 \
+      --impls blockwise+chunked+window --out docs/results/long_memory_window.json
 """
 
 from __future__ import annotations
@@ -57,20 +63,23 @@ SHAPES = {
     "tiny": (64, 4, 2, 32, 128, 200, 50),
     "smollm2-135m": (576, 9, 3, 64, 1536, 49152, 32000),
 }
-IMPLS = ("speculators", "blockwise+chunked", "sdpa+eager")
-PROJECT_KERNELS = {"sdpa+eager": ("sdpa", "eager"), "blockwise+chunked": ("blockwise", "chunked")}
+IMPLS = ("speculators", "blockwise+chunked", "sdpa+eager", "blockwise+chunked+window")
+PROJECT_KERNELS = {"sdpa+eager": ("sdpa", "eager"), "blockwise+chunked": ("blockwise", "chunked"),
+                   "blockwise+chunked+window": ("blockwise", "chunked")}  # fmt: skip
+WINDOW = 2048  # --window's default: a window a Kimi-sized draft could keep (tokens)
 QUICK = {"tiny": (1024, 2048, 4096, 8192, 16384), "smollm2-135m": (1024, 2048, 4096)}
 FULL = {name: (1024, 2048, 4096, 8192, 16384, 32768) for name in SHAPES}
 
 
-def spec_of(shape: str) -> DraftSpec:
-    """The draft speculators' CLI builds for this shape (its default norms), in this project's terms."""
+def spec_of(shape: str, window: int | None = None) -> DraftSpec:
+    """The draft speculators' CLI builds for this shape (its default norms), in this project's terms;
+    with a window, the same draft windowed (the project's `+window` path)."""
     h, heads, kv, hd, inter, vocab, draft_vocab = SHAPES[shape]
     return DraftSpec(
         hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
         intermediate_size=inter, rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=65536,
         vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layer_ids=(1, 2, 3), norm_before_residual=True,
-        norm_before_fc=True, norm_output=True,
+        norm_before_fc=True, norm_output=True, sliding_window=window,
     )  # fmt: skip
 
 
@@ -103,11 +112,12 @@ def states(shape: str, n: int) -> dict[str, torch.Tensor]:
     }
 
 
-def project_step(shape: str, impl: str) -> Any:
+def project_step(shape: str, impl: str, window: int = WINDOW) -> Any:
     """This project's model and a function running one step on n tokens."""
-    k = kernels.Kernels(*PROJECT_KERNELS[impl], False)
+    windowed = impl.endswith("+window")
+    k = kernels.Kernels(*PROJECT_KERNELS[impl], False, windowed=windowed)
     torch.manual_seed(0)
-    model = build_draft(spec_of(shape), attn_impl=k.hf_attn_impl)
+    model = build_draft(spec_of(shape, window if windowed else None), attn_impl=k.hf_attn_impl)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -193,20 +203,24 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def point(shape: str, impl: str, n: int, verifier: Path) -> dict[str, Any]:
+def point(shape: str, impl: str, n: int, verifier: Path, window: int = WINDOW) -> dict[str, Any]:
     """One step at length n (run in its own process: max RSS only ever grows)."""
-    step = speculators_step(shape, verifier) if impl == "speculators" else project_step(shape, impl)
+    step = speculators_step(shape, verifier) if impl == "speculators" else project_step(shape, impl, window)
     step(WARMUP_TOKENS)
     base = max_rss_bytes()
     timer = AttentionTimer()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = step(n)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = max_rss_bytes()
     out = {"peak_gib": peak / 2**30, "growth_gib": (peak - base) / 2**30, "seconds": seconds,
-           "us_per_token": seconds / n * 1e6, "loss": loss}  # fmt: skip
-    if impl == "blockwise+chunked":
+           "us_per_token": seconds / n * 1e6, "loss": loss,
+           "cpu_us_per_token": cpu_seconds / n * 1e6}  # fmt: skip
+    # the process's CPU time: a ratio the other jobs of a shared machine disturb far less than wall time
+    if impl.startswith("blockwise"):
         out["attention_seconds"] = timer.seconds
+    if impl.endswith("+window"):
+        out["window"] = window
     return out
 
 
@@ -218,7 +232,7 @@ def child(a: argparse.Namespace) -> int:
         Path("/proc/self/oom_score_adj").write_text("1000")
     shape, impl, n = a.point[0], a.point[1], int(a.point[2])
     try:
-        print(json.dumps(point(shape, impl, n, Path(a.verifier))), flush=True)
+        print(json.dumps(point(shape, impl, n, Path(a.verifier), a.window)), flush=True)
     except (MemoryError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "alloc" not in str(e).lower():
             raise
@@ -230,7 +244,7 @@ def child(a: argparse.Namespace) -> int:
 def run_point(shape: str, impl: str, n: int, a: argparse.Namespace, verifier: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"shape": shape, "impl": impl, "tokens": n}
     cmd = [sys.executable, "-m", __spec__.name, "--point", shape, impl, str(n), "--verifier", str(verifier),
-           "--cap-gb", str(a.cap_gb), "--threads", str(a.threads)]  # fmt: skip
+           "--cap-gb", str(a.cap_gb), "--threads", str(a.threads), "--window", str(a.window)]  # fmt: skip
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -317,7 +331,21 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         s["peak_not_below_speculators_at"] = [n for n in both if own[n]["peak_gib"] >= spec[n]["peak_gib"]]
         s["speculators_oom_at"] = sorted(r["tokens"] for r in rows if r["shape"] == shape and r.get("oom")
                                          and r["impl"] == "speculators")  # fmt: skip
+        s.update(window_ratios(ok))
         out[shape] = s
+    return out
+
+
+def window_ratios(ok: list[dict[str, Any]]) -> dict[str, float]:
+    """Time per token (wall and the process's CPU time) at each length over 4k, per project path (full
+    attention and windowed)."""
+    out = {}
+    for impl in ("blockwise+chunked", "blockwise+chunked+window"):
+        for key in ("us_per_token", "cpu_us_per_token"):
+            got = {r["tokens"]: r[key] for r in ok if r["impl"] == impl and key in r}
+            for n in sorted(got):
+                if 4096 in got and n > 4096:
+                    out[f"{impl}: {key}_{n}_over_4096"] = got[n] / got[4096]
     return out
 
 
@@ -335,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON output (default: docs/results/long_memory.json)")
     p.add_argument("--keep", action="store_true",
                    help="keep the --out file's rows of points this run does not measure")
+    p.add_argument("--window", type=int, default=WINDOW, help="the +window path's sliding_window")
     p.add_argument("--point", nargs=3, metavar=("SHAPE", "IMPL", "TOKENS"), help=argparse.SUPPRESS)
     p.add_argument("--verifier", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

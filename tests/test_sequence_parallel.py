@@ -24,6 +24,7 @@ from eagle3_pipeline.training import sequence_parallel as seqpar
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 DOCS = (37, 91, 11, 70)  # 209 positions: a multiple of neither 2 nor 3; documents straddle the slices
 TTT = 3
+WINDOW = 20  # the windowed draft's: shorter than the documents and than a slice (70 or 105 positions)
 CFG = dict(attn_impl="blockwise", loss_impl="chunked", parallel_drafting=False, states="shards")
 
 
@@ -83,14 +84,15 @@ def test_2_and_3_ranks_sharing_a_row_train_one_process_loss_metrics_and_gradient
     """torchrun, 3 gloo ranks: a group of 2 (ranks 0, 1) and the group of all 3 each train the row, each
     rank its slice through DDP over its group; the loss, every metric and every parameter's gradient (DDP's
     average over the group) equal one process's ttt_forward on the whole row within 1e-5 relative (a
-    gradient: relative to its tensor's largest), GQA (llama) and MLA, ttt_steps 3."""
+    gradient: relative to its tensor's largest), GQA (llama), MLA and a windowed llama draft (window
+    WINDOW, shorter than a slice: each rank's chunks reach into the previous rank's keys), ttt_steps 3."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "3", __file__, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads((tmp_path / "diffs.json").read_text())
     print(f"max relative differences {found}")
-    assert sorted(found) == ["2 llama", "2 mla", "3 llama", "3 mla"]
+    assert sorted(found) == ["2 llama", "2 llama-window", "2 mla", "3 llama", "3 llama-window", "3 mla"]
     for run, diffs in found.items():
         assert diffs["grads_checked"] > 5, run
         assert max(diffs["loss"], diffs["metrics"], diffs["grads"]) <= 1e-5, (run, diffs)
@@ -130,13 +132,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _model(arch: str) -> torch.nn.Module:
+    from dataclasses import replace
+
     from test_long_memory import DRAFT_VOCAB, SPECS
 
     from eagle3_pipeline.models.draft import build_draft, trainable_names
     from eagle3_pipeline.training import kernel_policy as kernels
 
     torch.manual_seed(0)
-    model = build_draft(SPECS[arch], attn_impl=kernels.HF_ATTN_NAMES["blockwise"])
+    spec = replace(SPECS["llama"], sliding_window=WINDOW) if arch == "llama-window" else SPECS[arch]
+    model = build_draft(spec, attn_impl=kernels.HF_ATTN_NAMES["blockwise"])
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:  # heads at std 0.3: logits far from uniform, losses far from 0
@@ -153,7 +158,8 @@ def _compare(arch: str, recipe: Any, seq: seqpar.SeqGroup) -> dict[str, float]:
     from eagle3_pipeline.training import kernel_policy as kernels
     from eagle3_pipeline.training.train_metrics import forward
 
-    cpu, kern = torch.device("cpu"), kernels.Kernels("blockwise", "chunked", False)
+    cpu = torch.device("cpu")
+    kern = kernels.Kernels("blockwise", "chunked", False, windowed=arch == "llama-window")
     ref_model = _model(arch)
     ref_loss, ref_metrics = forward(ref_model, _row(), recipe, cpu, None, kern)  # unbound: the row
     ref_loss.backward()
@@ -187,7 +193,8 @@ def _worker(out: Path) -> None:
     pair = torch.distributed.new_group([0, 1])
     seqpar.setup(SimpleNamespace(sequence_parallel=3, **CFG), dist)
     groups = {"3": dist.seq, **({"2": seqpar.SeqGroup(2, dist.rank, pair)} if dist.rank < 2 else {})}
-    recipes = {"llama": Recipe(TTT, 0.8, "kl_div"), "mla": Recipe(TTT, 1.0, '{"kl_div": 0.5, "ce": 0.5}')}
+    recipes = {"llama": Recipe(TTT, 0.8, "kl_div"), "mla": Recipe(TTT, 1.0, '{"kl_div": 0.5, "ce": 0.5}'),
+               "llama-window": Recipe(TTT, 0.8, "kl_div")}  # fmt: skip
     found = {f"{size} {arch}": _compare(arch, recipe, seq)
              for size, seq in groups.items() for arch, recipe in recipes.items()}  # fmt: skip
     if dist.rank == 0:

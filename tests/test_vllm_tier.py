@@ -425,3 +425,33 @@ def test_probabilistic_drafting_agrees_with_the_simulation_in_vllm(tier_run, pro
     assert max(c["rate_tolerance_per_pos"]) <= 0.06, c  # tight enough to tell min(1, p/q) from p(x)
     # the draws are the draft's own, not its argmax: the counts differ from the argmax run's
     assert vllm["outputs"] != sampled["thinking"]["vllm"]["outputs"]
+
+
+WINDOW = 16  # tokens: every tier prompt is longer, and each answer runs MAX_NEW_TOKENS past it
+
+
+def test_windowed_draft_is_served_losslessly_as_the_simulation_drafts_it(tier_run, prompts, worker, tmp_path):
+    """The trained export with a 16-token window written as vLLM reads it (layer_types + sliding_window,
+    export_window.py), served beside each verifier (the MLA one is Kimi's path: a sliding draft layer
+    beside MLA layers): lossless, and vLLM's drafts and accepted drafts per depth equal the simulation's,
+    which drafts within the window (reference_draft.py; training attends as that reading does:
+    test_draft_window.py). The same weights simulated without the window count otherwise."""
+    import shutil
+
+    from eagle3_pipeline.export_eval.evaluate import simulate
+    from eagle3_pipeline.export_eval.export_window import window_config_fields
+
+    verifier, windowed = tier_run / "verifier", tmp_path / "windowed"
+    shutil.copytree(tier_run / "draft", windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, **window_config_fields(WINDOW)}))
+    assert min(map(len, prompts)) > WINDOW
+    (served,) = generate_in(worker, verifier, windowed, prompts)
+    sim, reference = simulate(verifier, windowed, prompts, MAX_NEW_TOKENS, K)
+    full, _ = simulate(verifier, tier_run / "draft", prompts, MAX_NEW_TOKENS, K)
+    counts = {n: (r["num_drafts"], r["accepted_per_pos"]) for n, r in
+              (("vllm", served), ("sim", sim), ("sim without the window", full))}  # fmt: skip
+    print(f"\nwindow {WINDOW}, prompts {[len(p) for p in prompts]}: (drafts, accepted per depth) {counts}")
+    assert served["outputs"] == reference  # lossless
+    assert counts["vllm"] == counts["sim"] and sum(served["accepted_per_pos"]) > 0
+    assert counts["sim without the window"] != counts["sim"]

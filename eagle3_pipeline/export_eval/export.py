@@ -35,6 +35,7 @@ from eagle3_pipeline.export_eval.export_rope import (
     check_checkpoint_rope, rope_config_problems,
 )
 from eagle3_pipeline.export_eval.export_readback import readback_problems
+from eagle3_pipeline.export_eval import export_window as window
 from eagle3_pipeline.export_eval.export_mla import (
     mla_attention_shapes,
     mla_config_fields,
@@ -129,6 +130,7 @@ def export_config(spec: DraftSpec, verifier_cfg: dict[str, Any]) -> dict[str, An
         **{k: getattr(spec, k) for k in NORM_FLAGS},
         # parallel drafting: the first key vLLM reads for the masked slots' token (llm_base_proposer.py)
         **({"mask_token_id": spec.mask_token_id} if spec.parallel else {}),
+        **window.window_config_fields(spec.sliding_window),  # export_window.py
     }
     if spec.draft_arch == "mla":  # no head_dim: vLLM's MLA reads the qk/v dims (export_mla.py)
         config.pop("head_dim")
@@ -217,7 +219,7 @@ def _config_problems(config: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     nested_fc = (config.get("eagle_config") or {}).get("norm_before_fc")
     if nested_fc is not None and nested_fc != config.get("norm_before_fc"):
         p.append(f"eagle_config.norm_before_fc {nested_fc!r} != top-level {config.get('norm_before_fc')!r}")
-    p += rope_config_problems(config, spec)
+    p += rope_config_problems(config, spec) + window.window_config_problems(config, spec)
     trained_mask = spec.get("mask_token_id")
     if trained_mask is not None and config.get("mask_token_id") is None:
         p.append(

@@ -12,6 +12,7 @@ import torch
 from eagle3_pipeline.core import rope_scaling
 from eagle3_pipeline.data.packing import pack
 from eagle3_pipeline.data.vocab import draft_to_target
+from eagle3_pipeline.export_eval import export_window as window
 from eagle3_pipeline.export_eval.export_rope import long_positions
 from eagle3_pipeline.models.draft import rope_parameters_of
 from eagle3_pipeline.models.reference_draft import ReferenceDraft
@@ -34,13 +35,9 @@ def _sequential_pairs(
     hook = model.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
     try:
         with torch.no_grad():
-            model(
-                hidden_states=b["hidden_states"],
-                input_ids=b["input_ids"],
-                document_ids=b["document_ids"],
-                position_ids=b["position_ids"],
-                ttt_steps=min(2, ttt_steps),
-            )
+            if not window.run_windowed(model, b, min(2, ttt_steps)):  # a windowed draft: export_window.py
+                model(hidden_states=b["hidden_states"], input_ids=b["input_ids"], ttt_steps=min(2, ttt_steps),
+                      document_ids=b["document_ids"], position_ids=b["position_ids"])
     finally:
         hook.remove()
     T = b["input_ids"].shape[1]

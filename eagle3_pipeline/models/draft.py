@@ -19,7 +19,7 @@ import torch
 from eagle3_pipeline.core import rope_scaling
 from eagle3_pipeline.models.draft_shape import check_draft_shape
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.models import linear_memory, mla_draft
+from eagle3_pipeline.models import draft_window, linear_memory, mla_draft
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class DraftSpec:
     parallel_k: int | None = None
     # The RoPE scaling trained with (core/rope_scaling.py's canonical yarn table); None: plain RoPE.
     rope_scaling: dict[str, Any] | None = None
+    # The attention window trained with (draft_window.py: vLLM's rule); None: full attention.
+    sliding_window: int | None = None
 
     @property
     def parallel(self) -> bool:
@@ -69,6 +71,8 @@ class DraftSpec:
             del d["mask_token_id"], d["parallel_k"]
         if self.rope_scaling is None:  # plain RoPE: recorded as runs before the setting were
             del d["rope_scaling"]
+        if self.sliding_window is None:  # full attention: recorded as runs before the setting were
+            del d["sliding_window"]
         return d
 
     @classmethod
@@ -104,6 +108,7 @@ def spec_for_training(
         norm_output=train.norm_output,
         **parallel_settings(train, int(verifier["vocab_size"])),
         rope_scaling=rope_scaling.resolve(getattr(train, "rope_scaling", rope_scaling.NONE), verifier),
+        sliding_window=getattr(train, "sliding_window", None),
     )
 
 
@@ -175,11 +180,15 @@ def layer_fields(spec: DraftSpec) -> dict[str, Any]:
 def decoder_config(spec: DraftSpec, attn_impl: str) -> Any:
     from transformers import LlamaConfig
 
+    window = spec.sliding_window  # the layer's window, as speculators' layer config and vLLM read it
+    windowed = {} if window is None else {"layer_types": draft_window.layer_types_of(window),
+                                          "sliding_window": window}  # fmt: skip
     cfg = LlamaConfig(
         **layer_fields(spec),
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
         mlp_bias=False,
+        **windowed,
     )
     cfg._attn_implementation = attn_impl
     if cfg.head_dim != spec.head_dim:  # guard against any library default creeping back in

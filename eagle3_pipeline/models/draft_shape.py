@@ -43,6 +43,17 @@ def draft_shape_problem(d: Any) -> str | None:
             "--draft-arch mla with --parallel-drafting: vLLM 0.32's deepseek_eagle3.py has no mask_hidden, "
             "so it cannot serve an MLA draft in parallel; drop either"
         )
+    if getattr(d, "sliding_window", None) is not None and mla:
+        return (
+            "--sliding-window with --draft-arch mla: vLLM 0.32's deepseek_eagle3.py reads no layer_types / "
+            "sliding_window and would serve the draft with full attention; drop either"
+        )
+    if getattr(d, "sliding_window", None) is not None and (
+            d.parallel if hasattr(d, "parallel") else d.parallel_drafting):  # fmt: skip
+        return (
+            "--sliding-window with --parallel-drafting: the parallel draft's training forward "
+            "(training/parallel.py) has no window; drop either"
+        )
     if not mla and d.num_attention_heads % d.num_key_value_heads:
         return (
             f"--num-attention-heads {d.num_attention_heads} must be a multiple of --num-key-value-heads "

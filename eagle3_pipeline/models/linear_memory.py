@@ -11,7 +11,8 @@ swap one at a time; kernel_policy.py picks them):
   implementation BLOCKWISE_ATTN): query chunks of ATTN_CHUNK tokens attend to the keys the TTT mask lets
   them see, built per chunk from the document ids: in step 0's keys those of the chunk's documents up to
   the chunk's end (causal, same document, padding id -1 sees only itself), in each later step's keys
-  only the query's own position. A custom autograd function keeps q, k, v and recomputes each chunk in
+  only the query's own position; a windowed draft's only the keys within its window (draft_window.py),
+  so its chunks skip the rest and cost the same per query at any length. A custom autograd function keeps q, k, v and recomputes each chunk in
   backward, so neither scores nor masks outlive a chunk.
 - a chunked head and loss (`chunked_step_loss`): per LOSS_CHUNK positions, the draft's logits, the
   verifier's logits and the recipe's per-position losses under torch.utils.checkpoint, so backward
@@ -29,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from eagle3_pipeline.models import draft_window
 
 BLOCKWISE_ATTN = "eagle3_blockwise"  # the name registered in transformers' AttentionInterface
 # Query positions per attention chunk: its transient scores are [heads, chunk, keys of its documents].
@@ -51,33 +54,36 @@ class DocumentMask:
     start: int = 0
     stop: int | None = None
     step0_keys: Callable[[Any, torch.Tensor, torch.Tensor, int], tuple] | None = None
+    window: int | None = None  # a windowed draft's (draft_window.py): keys out of reach are skipped
 
     @classmethod
     def of(cls, document_ids: torch.Tensor, start: int = 0, stop: int | None = None,
-           step0_keys: Callable | None = None) -> DocumentMask:  # fmt: skip
+           step0_keys: Callable | None = None, window: int | None = None) -> DocumentMask:  # fmt: skip
         doc = document_ids.reshape(-1)
         _, inverse = torch.unique(doc, return_inverse=True)
         idx = torch.arange(doc.numel(), device=doc.device)
         first = torch.full((int(inverse.max()) + 1,), doc.numel(), dtype=idx.dtype, device=doc.device)
         first = first.scatter_reduce(0, inverse, idx, "amin")
-        return cls(doc, first[inverse], start, stop, step0_keys)
+        return cls(doc, first[inverse], start, stop, step0_keys, window)
 
-    def chunks(self, chunk: int) -> list[tuple[int, int, int]]:
-        """(start, end, first key) per query chunk: no key before `first key` shares a document with it."""
+    def chunks(self, chunk: int, steps: int = 1) -> list[tuple[int, int, int]]:
+        """(start, end, first key) per query chunk at TTT step steps - 1: no key before `first key` shares
+        a document with it and is within its window, so a window bounds the keys read per query."""
         n = self.doc.numel() if self.stop is None else self.stop
         starts = list(range(self.start, n, chunk))
-        lows = [int(self.first[a : a + chunk].min()) for a in starts]
-        return [(a, min(a + chunk, n), lo) for a, lo in zip(starts, lows)]
+        reach = [draft_window.first_step0_key(a, steps - 1, self.window) for a in starts]
+        lows = [max(int(self.first[a : a + chunk].min()), r) for a, r in zip(starts, reach)]
+        return [(a, min(a + chunk, n), min(lo, min(a + chunk, n))) for a, lo in zip(starts, lows)]
 
     def chunk_mask(self, a: int, b: int, lo: int, steps: int) -> torch.Tensor:
         """The boolean mask [b - a, (b - lo) + (steps - 1) * (b - a)] of queries a..b-1 over the keys
-        `_chunk_keys` gathers: step 0's keys lo..b-1, then each later step's own positions a..b-1."""
-        q = torch.arange(a, b, device=self.doc.device)
-        k = torch.arange(lo, b, device=self.doc.device)
-        dq, dk = self.doc[a:b, None], self.doc[None, lo:b]
-        base = ((k[None] <= q[:, None]) & (dq == dk) & (dq != -1)) | (k[None] == q[:, None])
-        diag = torch.eye(b - a, dtype=torch.bool, device=self.doc.device)
-        return torch.cat([base, *[diag] * (steps - 1)], dim=1)
+        `_chunk_keys` gathers: step 0's keys lo..b-1, then each later step's own positions a..b-1; the TTT
+        mask of draft_window.ttt_mask_mod at step steps - 1."""
+        n, dev = self.doc.numel(), self.doc.device
+        mod = draft_window.ttt_mask_mod(self.doc, n, steps - 1, self.window)
+        q = torch.arange(a, b, device=dev)
+        keys = [torch.arange(lo, b, device=dev)] + [t * n + q for t in range(1, steps)]
+        return torch.cat([mod(None, None, q[:, None], k[None]) for k in keys], dim=1)
 
 
 def _chunk_keys(x0: torch.Tensor, rest: torch.Tensor, a: int, b: int, lo: int, start: int,
@@ -103,7 +109,7 @@ class _BlockwiseTTTAttention(torch.autograd.Function):
         n, start = q.shape[2], mask.start
         steps = 1 + kr.shape[2] // n
         out = q.new_empty(*q.shape[:-1], v0.shape[-1])
-        for a, b, lo in mask.chunks(chunk):
+        for a, b, lo in mask.chunks(chunk, steps):
             ks, vs = _chunk_keys(k0, kr, a, b, lo, start, n), _chunk_keys(v0, vr, a, b, lo, start, n)
             out[:, :, a - start : b - start] = _chunk_attention(
                 q[:, :, a - start : b - start], ks, vs, mask.chunk_mask(a, b, lo, steps), scale
@@ -119,7 +125,7 @@ class _BlockwiseTTTAttention(torch.autograd.Function):
         steps = 1 + kr.shape[2] // n
         grads_in = [torch.zeros_like(t) for t in (q, k0, kr, v0, vr)]
         dq, dk0, dkr, dv0, dvr = grads_in
-        for a, b, lo in ctx.mask.chunks(ctx.chunk):
+        for a, b, lo in ctx.mask.chunks(ctx.chunk, steps):
             i, j = a - start, b - start
             with torch.enable_grad():
                 qc = q[:, :, i:j].detach().requires_grad_()
@@ -262,12 +268,32 @@ class RowShard:
     total: Callable[[torch.Tensor], torch.Tensor]
 
 
+def window_of(model: Any) -> int | None:
+    """The draft's attention window (speculators reads it from the layer config); None: full attention."""
+    return model.sliding_window if model.uses_sliding_window_attn else None
+
+
 def _first_mask(model: Any, doc_ids: torch.Tensor, n: int, blockwise: bool, shard: RowShard | None) -> Any:
-    """Step 0's attention mask: a DocumentMask over this rank's queries, or speculators' dense one."""
+    """Step 0's attention mask: a DocumentMask over this rank's queries, or a dense one (speculators')."""
     if not blockwise:
-        return model._build_attn_mask(doc_ids, n, doc_ids.device)
+        return _dense_mask(model, doc_ids, n, 0)
     start = 0 if shard is None else shard.start
-    return DocumentMask.of(doc_ids, start, start + n, shard and shard.step0_keys)
+    return DocumentMask.of(doc_ids, start, start + n, shard and shard.step0_keys, window_of(model))
+
+
+def _dense_mask(model: Any, doc_ids: torch.Tensor, n: int, step: int, mask: Any = None) -> Any:
+    """Step `step`'s mask for the draft's own kernel (flex block mask, sdpa boolean, eager float): a full
+    draft's is speculators' (the last one extended); a windowed draft's is built per step, its window
+    counted from each step's serving index (draft_window.py), which no extension of step 0's can say."""
+    from speculators.models.eagle3.attention import extend_dense_mask_for_draft_tokens
+
+    window = window_of(model)
+    if window is None:
+        if step == 0:
+            return model._build_attn_mask(doc_ids, n, doc_ids.device)
+        return extend_dense_mask_for_draft_tokens(mask, n)
+    mod = draft_window.ttt_mask_mod(doc_ids, n, step, window)
+    return model._create_mask_fn(mod, B=None, H=None, Q_LEN=n, KV_LEN=n * (step + 1), device=doc_ids.device)
 
 
 def _draft_step(
@@ -312,12 +338,9 @@ def ttt_forward(
     (blockwise and chunked) the batch is one rank's slice of the row: hidden states and positions of its
     n positions, input ids, verifier states and loss mask running ttt_steps - 1 positions past them (to the
     row's end), the whole row's document ids."""
-    from speculators.models.eagle3.attention import extend_dense_mask_for_draft_tokens
     from speculators.models.eagle3.metrics import compute_metrics
     from transformers import DynamicCache
 
-    if model.uses_sliding_window_attn:
-        raise ValueError("ttt_forward: the draft has sliding-window layers, which it does not mask")
     if blockwise and model._attn_impl != BLOCKWISE_ATTN:
         raise ValueError(f"blockwise attention needs a draft built with attn_impl {BLOCKWISE_ATTN!r}")
     hidden_states, input_ids = batch["hidden_states"], batch["input_ids"]
@@ -357,8 +380,27 @@ def ttt_forward(
         metrics.update(s_metrics)
         input_ids = ahead[:, 1 + step : 1 + step + total_seq_len]
         if not blockwise:
-            mask = extend_dense_mask_for_draft_tokens(mask, total_seq_len)
+            mask = _dense_mask(model, batch["document_ids"].squeeze(0), total_seq_len, step + 1, mask)
         position_ids = position_ids + 1
     metrics["loss_sum"] = loss.detach().clone()
     metrics["loss_total"] = torch.tensor(1.0, device=device)
     return loss, metrics
+
+
+def draft_steps(model: Any, batch: dict[str, torch.Tensor], ttt_steps: int) -> list[torch.Tensor]:
+    """The draft's logits [1, L, draft vocab] at each TTT step over a packed row (pack() keys: hidden
+    states, input ids, document ids, positions), teacher-forced as ttt_forward trains, under its dense
+    masks (a windowed draft's window per step): what the export's read-back compares against."""
+    from transformers import DynamicCache
+
+    n, doc = batch["hidden_states"].shape[1], batch["document_ids"].squeeze(0)
+    ahead = torch.cat([batch["input_ids"], batch["input_ids"].new_zeros(1, ttt_steps)], dim=-1)
+    hidden_states, position_ids = _fc(model, batch["hidden_states"]), batch["position_ids"]
+    mask, cache, out = _dense_mask(model, doc, n, 0), DynamicCache(), []
+    for step in range(ttt_steps):
+        hidden_states, head_in = _draft_step(
+            model, hidden_states, ahead[:, step : step + n], mask, position_ids, cache, step
+        )
+        out.append(model.lm_head(head_in))
+        mask, position_ids = _dense_mask(model, doc, n, step + 1, mask), position_ids + 1
+    return out

@@ -12,6 +12,8 @@ This deliberately does not use the training classes. It follows vLLM's `LlamaFor
   norm_output (the next step gets norm(out) instead of out); RoPE (neox style) from rope_theta and,
   when config.json has one, its yarn scaling (frequencies and cos/sin factor: core/rope_scaling.py,
   read from `rope_scaling` or `rope_parameters` as vLLM reads them);
+- a sliding window when `layer_types` makes the layer sliding (`sliding_window`, llama.py): each slot
+  attends to the cached slots within the window of its own index (models/draft_window.py);
 - embed_tokens is the verifier's (the export ships none);
 - parallel drafting (served with `"parallel_drafting": true`, `llm_base_proposer.py`): `mask_token_id`
   (the first of vLLM's keys, `_init_parallel_drafting_params`) and the `mask_hidden` tensor [1, n_aux*H];
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from eagle3_pipeline.core import rope_scaling
+from eagle3_pipeline.models.draft_window import cache_mask, served_window
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,6 +100,7 @@ class ReferenceDraft:
         self.head_dim = c.get("head_dim") or self.hidden // self.heads
         self.eps = c.get("rms_norm_eps", 1e-6)
         self.rope_theta, self.rope_scaling, _ = rope_scaling.served(c)
+        self.sliding_window = served_window(c)
         self.norm_before_residual = bool(c.get("norm_before_residual", False))
         self.norm_before_fc = bool(_eagle_config_first(c, "norm_before_fc"))
         self.fc_norm = bool(c.get("fc_norm", False))
@@ -173,7 +177,7 @@ class ReferenceDraft:
         rep = self.heads // self.kv_heads
         kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
         scores = (q @ kk.transpose(1, 2)) / self.head_dim**0.5
-        allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
+        allowed = cache_mask(past, T, self.sliding_window)
         scores = scores.masked_fill(~allowed, float("-inf"))
         a = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(T, self.heads * self.head_dim) @ self.wo.T
         return a, new_cache

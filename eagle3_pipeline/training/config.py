@@ -290,6 +290,13 @@ class TrainConfig(Settings):
     )
     intermediate_size: int = setting(18432, "Draft MLP width.", ge=1)
     rope_theta: float = setting(1e6, "Draft RoPE theta, both archs (independent of the verifier's).", gt=0)
+    sliding_window: int | None = setting(
+        None,
+        "Llama draft attention window in tokens, trained and served as vLLM serves it (a query reads the "
+        "last sliding_window positions of its own, TTT steps included: models/draft_window.py); unset: full "
+        "attention. Constant attention cost per token at long context.",
+        ge=1,
+    )
     rope_scaling: str = setting(
         "none",
         "Draft RoPE scaling, trained with and exported for vLLM: none (plain RoPE), verifier (the verifier's "

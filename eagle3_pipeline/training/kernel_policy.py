@@ -64,11 +64,14 @@ class Kernels:
     compile: bool
     pad_multiple: int = 1  # rows padded to a multiple of this (1: never padded)
     length_buckets: tuple[int, ...] = ()  # compile: rows padded up to the smallest bucket that holds them
+    # a windowed draft ([train] sliding_window): its per-step window is linear_memory.ttt_forward's mask
+    windowed: bool = False
 
     @property
     def linear_memory(self) -> bool:
-        """Whether the forward is linear_memory.ttt_forward (blockwise attention or the chunked loss)."""
-        return self.attn_impl == "blockwise" or self.loss_impl == "chunked"
+        """Whether the forward is linear_memory.ttt_forward (blockwise attention, the chunked loss, or a
+        windowed draft, whose window speculators' forward counts from the wrong position)."""
+        return self.attn_impl == "blockwise" or self.loss_impl == "chunked" or self.windowed
 
     @property
     def hf_attn_impl(self) -> str:
@@ -77,6 +80,8 @@ class Kernels:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["length_buckets"] = list(self.length_buckets)
+        if not self.windowed:  # recorded as runs before windows were
+            del d["windowed"]
         return d
 
 
@@ -97,11 +102,13 @@ def resolve(
     device: torch.device,
     max_row_tokens: int,
     needs_backward: bool = True,
+    windowed: bool = False,
 ) -> Kernels:
     """The implementations for `device` of the [train] settings (TrainConfig has checked their names);
     `max_row_tokens` bounds a packed row (buckets for compile). Refuses what this device cannot run."""
     cuda = device.type == "cuda"
-    attn = attention_impl(attn_impl, cuda)
+    # a windowed draft's auto: blockwise, whose chunks skip the keys out of reach (constant cost per token)
+    attn = "blockwise" if windowed and attn_impl == "auto" else attention_impl(attn_impl, cuda)
     if attn == "flex" and not cuda and needs_backward:
         raise UserError(
             "attn_impl flex: torch's FlexAttention has no backward on CPU; use sdpa (or auto) to train here"
@@ -111,7 +118,12 @@ def resolve(
         raise UserError(
             "loss_impl fused: speculators' fused losses are Triton kernels and need CUDA and Triton"
         )
-    linear = attn == "blockwise" or loss == "chunked"
+    if windowed and attn == "flex":
+        raise UserError(
+            "sliding_window with attn_impl flex: a windowed draft trains through linear_memory.ttt_forward "
+            "(vLLM's window per TTT step), which runs flex uncompiled; use attn_impl blockwise or sdpa"
+        )
+    linear = attn == "blockwise" or loss == "chunked" or windowed
     if linear and compile == "on":
         raise UserError(
             f"compile on: attn_impl {attn} / loss_impl {loss} train through linear_memory.ttt_forward, "
@@ -129,7 +141,7 @@ def resolve(
             sorted({_round_up(top * k // NUM_BUCKETS, FLEX_BLOCK) for k in range(1, NUM_BUCKETS + 1)})
         )
     pad = FLEX_BLOCK if attn == "flex" or compiled else 1
-    return Kernels(attn, loss, compiled, pad, buckets)
+    return Kernels(attn, loss, compiled, pad, buckets, windowed)
 
 
 def loss_config(k: Kernels, spec: str = "kl_div") -> dict[str, Any]:
