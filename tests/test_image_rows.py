@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.data.conversations import NO_VISION_TOWER, RawRow, RowRejected
-from eagle3_pipeline.data.images import ImageTokens, image_runs
+from eagle3_pipeline.data.images import ImageTokens, decode_data_url, image_runs
 
 DATA = Path(__file__).parent / "data"
 
@@ -39,3 +39,114 @@ def test_a_text_only_verifier_rejects_image_rows_with_the_reason(tiny_verifier, 
 def test_image_runs_count_each_image_apart():
     assert image_runs([1, 9, 9, 2, 3, 9, 4, 9, 9, 9], 9) == [2, 1, 3]
     assert image_runs([], 9) == []
+
+
+@pytest.fixture(scope="module")
+def vl_run(tmp_path_factory) -> Path:
+    """configs/tiny_vl.toml through stages 00-06 (06 simulated) in a temp folder: what
+    `bash scripts/run_tiny.sh configs/tiny_vl.toml` runs, less its untrained baseline."""
+    from conftest import moved_config, run_script, script
+
+    from eagle3_pipeline.core.cli import STAGES
+
+    root = tmp_path_factory.mktemp("tiny_vl")
+    cfg = moved_config(Path(__file__).parent.parent / "configs" / "tiny_vl.toml", "runs/tiny_vl", root,
+                       root / "tiny_vl.toml")  # fmt: skip
+    run_script("-m", "eagle3_pipeline.models.tiny", "--from-config", str(cfg))
+    for stage in STAGES.values():
+        extra = ["--engine", "sim"] if stage == "06_evaluate.py" else []
+        run_script(script(stage), "--config", str(cfg), *extra)
+    return root
+
+
+def _shard_samples(root: Path) -> dict[str, dict]:
+    """{sample id: its input_ids, loss_mask and aux states} over the run's one shard."""
+    from safetensors.torch import load_file
+
+    (shard,) = (root / "hidden_states").iterdir()
+    out = {}
+    for f in _json(shard / "manifest.json")["files"]:
+        t = load_file(str(shard / f["file"]))
+        for n, s in enumerate(f["samples"]):
+            a, b = int(t["offsets"][n]), int(t["offsets"][n + 1])
+            out[s["id"]] = {k: t[k][a:b] for k in ("input_ids", "loss_mask", "aux_hidden_states")}
+    return out
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_image_rows_go_through_stages_00_to_06(vl_run):
+    """The mixed file: text and image rows regenerated with their images kept, each prompt's
+    placeholder expanded to its image's token count (two images in img-001's second turn); the three bad
+    image rows rejected with their reasons; the shards hold the image positions as the placeholder id, out
+    of the loss; stage 06 simulates the held-out prompts with images."""
+    from conftest import read_jsonl
+
+    rejects = {r["row"]: r["reason"] for r in read_jsonl(vl_run / "regenerated" / "rejects.jsonl")}
+    assert sorted(rejects) == [5, 6, 7]
+    assert "not_there.png not found" in rejects[5]
+    assert "not valid base64" in rejects[6] and "cannot be decoded" in rejects[7]
+    rows = {r["id"]: r for r in read_jsonl(vl_run / "regenerated" / "conversations.jsonl")}
+    assert set(rows) == {"conv-000", "img-000", "conv-002", "img-001", "img-002", "img-003", "conv-004"}
+    two = rows["img-001"]
+    urls = [p["image_url"]["url"] for m in two["messages"] if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "image_url"]  # fmt: skip
+    assert len(urls) == 2 and all(u.startswith("data:image/png;base64,") for u in urls)
+    pad = _pad_id(vl_run / "verifier")
+    # grid.png 84x56: 3x2 groups of 28x28; tall.png 28x56: 1x2
+    assert [image_runs(s["prompt_ids"], pad) for s in two["token_samples"]] == [[6], [6, 2]]
+    samples = _shard_samples(vl_run)
+    assert set(samples) == set(rows)
+    for sid, s in samples.items():
+        at = s["input_ids"] == pad
+        assert int(at.sum()) == {"img-000": 2, "img-001": 8, "img-002": 2, "img-003": 6}.get(sid, 0)
+        assert not s["loss_mask"][at].any() and s["loss_mask"].any()
+    result = _json(vl_run / "draft" / "acceptance_sim.json")
+    assert result["num_prompts"] == 3 and result["num_prompts_with_images"] == 2
+    assert result["sim"]["mean_acceptance_length"] >= 1.0
+
+
+def _pad_id(verifier: Path) -> int:
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.models.vision import MEDIA_PAD, draft_input_id_at_image
+
+    tok = AutoTokenizer.from_pretrained(str(verifier))
+    return draft_input_id_at_image(tok.convert_tokens_to_ids(MEDIA_PAD))
+
+
+def test_states_at_image_positions_come_from_a_forward_that_saw_the_image(vl_run):
+    """Stage 01's aux states of an image row equal a transformers forward given the image's pixels, and
+    differ from a text-only forward over the same ids at the image positions and after them (before
+    them they agree: causal); the draft's input id there is the placeholder's, whose embedding vLLM's
+    EAGLE-3 draft is fed."""
+    import torch
+    from conftest import read_jsonl
+
+    from eagle3_pipeline.models.tiny_vl import load_vl
+    from eagle3_pipeline.models.vision import VisionSettings, image_pixels
+
+    verifier = vl_run / "verifier"
+    stored = _shard_samples(vl_run)["img-000"]
+    ids = stored["input_ids"].long()
+    pad = _pad_id(verifier)
+    at = (ids == pad).nonzero().flatten()
+    assert len(at) == 2
+    (row,) = [r for r in read_jsonl(vl_run / "regenerated" / "conversations.jsonl") if r["id"] == "img-000"]
+    url = row["messages"][0]["content"][1]["image_url"]["url"]
+    pixels, grid = image_pixels(decode_data_url(url), VisionSettings.of_checkpoint(verifier))
+    model = load_vl(verifier)
+    aux_ids = _json(vl_run / "draft" / "config.json")["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        seen = model(input_ids=ids[None], pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
+                     output_hidden_states=True).hidden_states  # fmt: skip
+        blind = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    aux = stored["aux_hidden_states"].float()
+    for j, layer in enumerate(aux_ids):
+        torch.testing.assert_close(aux[:, j], seen[layer][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux[: at[0], j], blind[layer][0][: at[0]], atol=1e-4, rtol=1e-4)
+        scale = blind[layer][0][at].norm(dim=-1).mean()
+        assert (aux[at, j] - blind[layer][0][at]).norm(dim=-1).min() > 0.1 * scale
+        assert (aux[at[-1] + 1 :, j] - blind[layer][0][at[-1] + 1 :]).norm(dim=-1).min() > 1e-3 * scale

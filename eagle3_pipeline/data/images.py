@@ -104,6 +104,18 @@ def load_part_image(part: dict[str, Any], base_dir: Path | None) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+def row_image_urls(row: dict[str, Any], base_dir: Path | None) -> list[str]:
+    """The images of a row's `messages` in order, read and checked, as data URLs (a row with
+    `token_samples`, whose messages are for people: only their image parts are read)."""
+    urls = []
+    for m in row.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for p in content if isinstance(content, list) else []:
+            if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES:
+                urls.append(load_part_image(p, base_dir))
+    return urls
+
+
 def decode_data_url(url: str) -> Any:
     """The RGB image of a data URL kept with a row (checked already when the row was read)."""
     return checked_image(read_image_bytes(url, None))
@@ -199,12 +211,14 @@ class ImageTokens:
             )
         return used
 
-    def model_inputs(self, urls: list[str]) -> dict[str, Any]:
-        """What the transformers verifier takes beside the ids: pixel_values and image_grid_thw."""
+    def model_inputs(self, urls: list[str], model: Any = None) -> dict[str, Any]:
+        """What the transformers verifier takes beside the ids: pixel_values (in `model`'s dtype, on its
+        device, when given) and image_grid_thw."""
         import torch
 
         pixels = [image_pixels(decode_data_url(u), self.settings) for u in urls]
-        return {
-            "pixel_values": torch.cat([p for p, _ in pixels]),
-            "image_grid_thw": torch.tensor([grid for _, grid in pixels]),
-        }
+        values, grid = torch.cat([p for p, _ in pixels]), torch.tensor([g for _, g in pixels])
+        if model is not None:
+            first = next(model.parameters())
+            values, grid = values.to(first.device, first.dtype), grid.to(first.device)
+        return {"pixel_values": values, "image_grid_thw": grid}

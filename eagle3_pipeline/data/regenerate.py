@@ -124,7 +124,7 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         out = []
         for i, (prompt, n) in enumerate(zip(prompts, max_new)):
-            pixels = {k: v.to(device) for k, v in (image_inputs[i] if image_inputs else {}).items()}
+            pixels = image_inputs[i] if image_inputs else {}
             sample = self.cfg.temperature > 0
             gen = GenerationConfig(
                 max_new_tokens=n,
@@ -256,7 +256,7 @@ def regenerate_rows(
             prompts.append(prompt)
             budgets.append(min(cfg.max_new_tokens, room))
             urls = Conversation(None, s["conv"].messages[: s["turn"]]).images
-            pixels.append(images.model_inputs(urls) if images and urls else {})
+            pixels.append(images.model_inputs(urls, generator.model) if images and urls else {})
         if not pending:
             break
         extra = {"image_inputs": pixels} if any(pixels) else {}  # text-only generators take no images

@@ -235,9 +235,11 @@ def from_config(config_path: Path) -> None:
 
             shutil.rmtree(tmp)
         if run["tiny_arch"] == VL_ARCH:  # the tiny Kimi-K2.5 with its vision tower
-            from eagle3_pipeline.models.tiny_vl import build_vl_verifier
+            import subprocess
 
-            build_vl_verifier(tmp)
+            # its own process: models/tiny_vl.py builds on this module, which must not import it back
+            subprocess.run([sys.executable, "-m", "eagle3_pipeline.models.tiny_vl", "--out", str(tmp)],
+                           check=True)  # fmt: skip
         else:
             build_verifier(run["tiny_arch"], tmp)
         tmp.rename(verifier)
