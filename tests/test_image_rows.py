@@ -150,3 +150,30 @@ def test_states_at_image_positions_come_from_a_forward_that_saw_the_image(vl_run
         scale = blind[layer][0][at].norm(dim=-1).mean()
         assert (aux[at, j] - blind[layer][0][at]).norm(dim=-1).min() > 0.1 * scale
         assert (aux[at[-1] + 1 :, j] - blind[layer][0][at[-1] + 1 :]).norm(dim=-1).min() > 1e-3 * scale
+
+
+def test_stage01_takes_images_only_where_its_forward_sees_the_pixels(tiny_verifier, tiny_vl_verifier):
+    """Image rows reach the verifier in stage 01's transformers forward only: with --engine vllm or token
+    shards (states from vLLM later) they are rejected naming --engine hf; a text-only verifier rejects
+    them naming its missing vision tower."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.data.extract_render import IMAGES_NEED_HF, extract_images
+    from eagle3_pipeline.data.samples import SampleOptions, row_samples
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    hf = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf")
+    assert extract_images(hf, tok)[0] is not None
+    assert extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="vllm"), tok) == (
+        None, IMAGES_NEED_HF)  # fmt: skip
+    tokens_only = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf", storage_dtype="none")
+    assert extract_images(tokens_only, tok)[1] == IMAGES_NEED_HF
+    text_tok = AutoTokenizer.from_pretrained(str(tiny_verifier))
+    assert extract_images(ExtractConfig(verifier_path=str(tiny_verifier)), text_tok) == (None, NO_VISION_TOWER)
+    row = _vl_rows()[1]
+    with pytest.raises(RowRejected, match="--engine hf"):
+        row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_HF, base_dir=DATA))
+    images = extract_images(hf, tok)[0]
+    (smp,) = row_samples(row, 1, tok, SampleOptions(512, images=images, base_dir=DATA))
+    assert image_runs(smp.input_ids, images.pad_id) == [2] and len(smp.images) == 1
