@@ -142,7 +142,7 @@ class HfStates:
         """`images[i]`: the data URLs of sequence i's images; such a sequence runs alone, with its pixels
         (a verifier forward that saw them, as vLLM's does)."""
         seen = [i for i, urls in enumerate(images or []) if urls]
-        text = [i for i in range(len(sequences)) if i not in set(seen)]
+        text = sorted(set(range(len(sequences))) - set(seen))
         results: list[Any] = [None] * len(sequences)
         batched = _forward_batched(
             self.model, self.capture, [sequences[i] for i in text], self.max_batch_tokens
