@@ -177,3 +177,42 @@ def test_stage01_takes_images_only_where_its_forward_sees_the_pixels(tiny_verifi
     images = extract_images(hf, tok)[0]
     (smp,) = row_samples(row, 1, tok, SampleOptions(512, images=images, base_dir=DATA))
     assert image_runs(smp.input_ids, images.pad_id) == [2] and len(smp.images) == 1
+
+
+class PixelSpy:
+    """A generator that answers "ok" + end and keeps the image inputs each prompt came with."""
+
+    model = None  # the pixels stay float32 on the CPU
+
+    def __init__(self, end: int):
+        self.end, self.seen = end, []
+
+    def generate(self, prompts, max_new, image_inputs=None):
+        self.seen.extend(image_inputs or [{}] * len(prompts))
+        return [([ord("o"), ord("k"), self.end], "stop") for _ in prompts]
+
+
+def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_verifier):
+    """img-001 (grid.png 84x56 in turn 0, tall.png 28x56 in turn 2): turn 1 is generated with grid.png's
+    pixels (6x4 patches of 14 pixels), turn 3 with both images' (24 + 8 patches), each prompt expanded
+    to their token counts; a text row's prompt comes with no pixels."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import RegenerateConfig
+    from eagle3_pipeline.data.regenerate import _conversation, end_token_ids, regenerate_rows
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    images = ImageTokens.of_verifier(tiny_vl_verifier, tok)
+    rows = _vl_rows()
+    convs = [(i, _conversation(RawRow(i, rows[i]), DATA, True, "")) for i in (0, 3)]
+    spy = PixelSpy(end_token_ids(tiny_vl_verifier, tok)[0])
+    cfg = RegenerateConfig(max_new_tokens=8, max_seq_len=512)
+    out, rejects = regenerate_rows(convs, tok, spy, cfg, images)
+    assert not rejects
+    text_first, turn1, turn3 = spy.seen  # one generate call per turn: both rows' first turns, then turn 3
+    assert text_first == {}
+    assert turn1["image_grid_thw"].tolist() == [[1, 4, 6]] and turn1["pixel_values"].shape == (24, 3, 14, 14)
+    assert turn3["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 2]]
+    assert turn3["pixel_values"].shape[0] == 32
+    runs = [image_runs(s["prompt_ids"], images.pad_id) for s in out[1]["token_samples"]]
+    assert runs == [[6], [6, 2]]
