@@ -170,7 +170,8 @@ def test_stage01_takes_images_only_where_its_forward_sees_the_pixels(tiny_verifi
     tokens_only = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf", storage_dtype="none")
     assert extract_images(tokens_only, tok)[1] == IMAGES_NEED_HF
     text_tok = AutoTokenizer.from_pretrained(str(tiny_verifier))
-    assert extract_images(ExtractConfig(verifier_path=str(tiny_verifier)), text_tok) == (None, NO_VISION_TOWER)
+    text_only = ExtractConfig(verifier_path=str(tiny_verifier))
+    assert extract_images(text_only, text_tok) == (None, NO_VISION_TOWER)
     row = _vl_rows()[1]
     with pytest.raises(RowRejected, match="--engine hf"):
         row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_HF, base_dir=DATA))
