@@ -217,3 +217,9 @@ def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_veri
     assert turn3["pixel_values"].shape[0] == 32
     runs = [image_runs(s["prompt_ids"], images.pad_id) for s in out[1]["token_samples"]]
     assert runs == [[6], [6, 2]]
+    # a text that writes the placeholder token itself: the rendering holds more images than the row
+    forged = json.loads(json.dumps(rows[1]).replace("What colours", "<|media_pad|> What colours"))
+    conv = _conversation(RawRow(1, forged), DATA, True, "")
+    out, rejects = regenerate_rows([(1, conv)], tok, PixelSpy(spy.end), cfg, images)
+    assert out == [] and rejects == [{"row": 1, "reason": "turn 1: the rendering has 2 image placeholders "
+                                      "for 1 images"}]  # fmt: skip

@@ -41,7 +41,7 @@ from eagle3_pipeline.data.conversations import (
     render_ids,
 )
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.images import ImageTokens
+from eagle3_pipeline.data.images import ImageRejected, ImageTokens
 from eagle3_pipeline.data.samples import accepted_rows
 from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
 
@@ -246,7 +246,12 @@ def regenerate_rows(
         for s in state:
             if s["turn"] is None:
                 continue
-            prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs, images)
+            try:
+                prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs, images)
+            except ImageRejected as e:  # its rendering does not hold its images: the row is rejected
+                s["rejected"] = f"turn {s['turn']}: {e}"
+                s["turn"] = None
+                continue
             room = cfg.max_seq_len - len(prompt)
             if room < 2:  # no room for a reply: the row ends before this turn
                 s["conv"].messages = s["conv"].messages[: s["turn"]]
@@ -272,6 +277,9 @@ def regenerate_rows(
     out = []
     for s in state:
         conv = s["conv"]
+        if "rejected" in s:
+            rejects.append({"row": s["row"], "reason": s["rejected"]})
+            continue
         if not s["samples"]:
             reason = NO_PROMPTED_TURN if s["row"] in unanswerable else NO_TURN_FITS
             rejects.append({"row": s["row"], "reason": reason})
