@@ -127,7 +127,7 @@ def test_the_pixel_cap_and_images_where_they_cannot_be(monkeypatch):
     row = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": [part]}]}
     with pytest.raises(RowRejected, match="turn 1 .* has an image"):
         normalize_row(row, images=True)
-    with pytest.raises(RowRejected, match="multimodal rows are not supported here yet"):
+    with pytest.raises(RowRejected, match="image rows need a verifier with a vision tower"):
         normalize_row(_row(part))
 
 

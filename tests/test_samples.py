@@ -382,7 +382,7 @@ def test_sharegpt_function_call_and_observation_are_tool_turns(kimi):
             "function name",
         ),
         ({"role": "tool", "content": "orphan"}, "no open tool call"),
-        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}, "multimodal"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}, "image rows need a verifier with a vision tower"),
     ],
 )
 def test_bad_turns_are_rejected_with_a_reason(kimi, turn, reason):
@@ -406,7 +406,7 @@ def test_token_rows_are_used_verbatim_and_append_only_ones_merge(kimi):
     assert (first.input_ids, first.loss_mask) == ([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1])
     assert (second.input_ids, second.loss_mask) == ([1, 9, 7, 163607], [0, 0, 1, 1])
     assert [first.sample_id, second.sample_id] == ["gen", "gen#2"]
-    assert first_prompt(row, kimi, {}) == [1, 2]
+    assert first_prompt(row, kimi, SampleOptions(0)) == ([1, 2], [])
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,8 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # vLLM/DeepSeek
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 OTHER_MEDIA_PART_TYPES = ("video", "video_url", "audio", "input_audio")  # refused: images only
 UTF8_BOM = "\ufeff"
+# why an image row is rejected where images are not taken
+NO_VISION_TOWER = "image rows need a verifier with a vision tower (preprocessor_config.json, vision_config)"
 
 
 class RowRejected(Exception):
@@ -149,7 +151,9 @@ def row_id_of(row: dict[str, Any]) -> str | None:
     return None if row_id is None else str(row_id)
 
 
-def normalize_row(row: Any, base_dir: Path | None = None, images: bool = False) -> Conversation:
+def normalize_row(
+    row: Any, base_dir: Path | None = None, images: bool = False, no_images_why: str = NO_VISION_TOWER
+) -> Conversation:
     """The row as the chat template needs it (OpenAI message dicts plus the row's `tools`), or RowRejected.
 
     Kept per turn: `content` (a string; text parts joined; with `images`, a turn with image parts keeps
@@ -160,7 +164,8 @@ def normalize_row(row: Any, base_dir: Path | None = None, images: bool = False) 
     `tool_calls` (OpenAI form, arguments as a JSON string, ids `functions.<name>:<n>` when missing, the
     form Kimi-K2.5 writes), `tool_call_id` and `name` of tool results. ShareGPT `function_call` turns
     become assistant tool calls, `observation` turns tool results. Null fields count as absent (a
-    `datasets` folder fills missing keys with None).
+    `datasets` folder fills missing keys with None). Without `images`, an image part rejects the row
+    with `no_images_why`.
     """
     if not isinstance(row, dict):
         raise RowRejected(f"row is {type(row).__name__}, expected an object")
@@ -192,7 +197,7 @@ def normalize_row(row: Any, base_dir: Path | None = None, images: bool = False) 
             calls.assign(n, message)
             messages.append(message)
             continue
-        content = _content(n, raw_content, base_dir, images)
+        content = _content(n, raw_content, base_dir, images, no_images_why)
         if isinstance(content, list) and kind == "assistant":
             raise RowRejected(f"turn {n} ({role}) has an image: the model generates text only")
         message = {"role": kind, "content": content}
@@ -237,7 +242,9 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _content(n: int, content: Any, base_dir: Path | None, images: bool) -> str | list[dict[str, Any]]:
+def _content(
+    n: int, content: Any, base_dir: Path | None, images: bool, no_images_why: str
+) -> str | list[dict[str, Any]]:
     """A turn's content: a string, or (images read and checked) its text and image_url parts in order."""
     if content is None:
         return ""
@@ -251,7 +258,7 @@ def _content(n: int, content: Any, base_dir: Path | None, images: bool) -> str |
         if kind in OTHER_MEDIA_PART_TYPES:
             raise RowRejected(f"turn {n} has {kind} content: only text and images are supported")
         if kind in IMAGE_PART_TYPES:
-            parts.append(_image_part(n, p, base_dir, images))
+            parts.append(_image_part(n, p, base_dir, images, no_images_why))
         elif kind == "text" and isinstance(p.get("text"), str):
             parts.append({"type": "text", "text": p["text"]})
         else:
@@ -261,12 +268,11 @@ def _content(n: int, content: Any, base_dir: Path | None, images: bool) -> str |
     return parts
 
 
-def _image_part(n: int, part: dict[str, Any], base_dir: Path | None, images: bool) -> dict[str, Any]:
+def _image_part(
+    n: int, part: dict[str, Any], base_dir: Path | None, images: bool, no_images_why: str
+) -> dict[str, Any]:
     if not images:
-        raise RowRejected(
-            f"turn {n} has {part['type']} content: multimodal rows are not supported here yet (stages 00 "
-            "and 01 do not run the verifier's vision tower)"
-        )
+        raise RowRejected(f"turn {n} has {part['type']} content: {no_images_why}")
     try:
         return {"type": "image_url", "image_url": {"url": load_part_image(part, base_dir)}}
     except ImageRejected as e:

@@ -31,6 +31,7 @@ from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.data.config import ExtractConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import count_rows
+from eagle3_pipeline.data.images import ImageTokens
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.core.output import RUN_FILE, StageOutput
 from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample
@@ -44,6 +45,7 @@ from eagle3_pipeline.models.verifier import (
     verifier_facts,
     verifier_fingerprint,
 )
+from eagle3_pipeline.models.vision import has_vision_tower
 
 log = logging.getLogger("eagle3.extract")
 
@@ -119,23 +121,40 @@ class NoStates:
     def __exit__(self, *exc: Any) -> None:
         pass
 
-    def __call__(self, sequences: list[list[int]]) -> list[tuple[None, None]]:
+    def __call__(self, sequences: list[list[int]], images: Any = None) -> list[tuple[None, None]]:
         return [(None, None)] * len(sequences)
 
 
 class HfStates:
     """(aux [T, n_aux, H], last [T, H]) per sequence from the transformers verifier in this process."""
 
-    def __init__(self, model: Any, aux_ids: list[int], num_layers: int, max_batch_tokens: int):
-        self.model, self.max_batch_tokens = model, max_batch_tokens
+    def __init__(self, model: Any, aux_ids: list[int], num_layers: int, max_batch_tokens: int,
+                 image_tokens: ImageTokens | None = None):  # fmt: skip
+        self.model, self.max_batch_tokens, self.image_tokens = model, max_batch_tokens, image_tokens
         self.dtype = next(model.parameters()).dtype
         self.capture = AuxCapture(find_decoder_layers(model, num_layers), aux_ids)
 
     def __exit__(self, *exc: Any) -> None:
         self.capture.remove()
 
-    def __call__(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return _forward_batched(self.model, self.capture, sequences, self.max_batch_tokens)
+    def __call__(
+        self, sequences: list[list[int]], images: list[list[str]] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`images[i]`: the data URLs of sequence i's images; such a sequence runs alone, with its pixels
+        (a verifier forward that saw them, as vLLM's does)."""
+        seen = [i for i, urls in enumerate(images or []) if urls]
+        text = sorted(set(range(len(sequences))) - set(seen))
+        results: list[Any] = [None] * len(sequences)
+        batched = _forward_batched(
+            self.model, self.capture, [sequences[i] for i in text], self.max_batch_tokens
+        )
+        for i, states in zip(text, batched, strict=True):
+            results[i] = states
+        for i in seen:
+            assert images is not None and self.image_tokens is not None
+            pixels = self.image_tokens.model_inputs(images[i], self.model)
+            results[i] = _forward_with_images(self.model, self.capture, sequences[i], pixels)
+        return results
 
 
 def _open_engine(cfg: ExtractConfig, facts: Any, aux_ids: list[int], dtype: torch.dtype) -> Any:
@@ -147,7 +166,19 @@ def _open_engine(cfg: ExtractConfig, facts: Any, aux_ids: list[int], dtype: torc
     model = load_verifier_model(Path(cfg.verifier_path), dtype, cfg.trust_remote_code)
     log.info("verifier loaded | %s | %s | %.1fs", cfg.verifier_path, str(dtype).removeprefix("torch."),
              time.time() - t0)  # fmt: skip
-    return HfStates(model, aux_ids, facts.num_hidden_layers, cfg.max_batch_tokens)
+    return HfStates(model, aux_ids, facts.num_hidden_layers, cfg.max_batch_tokens, _image_tokens(cfg))
+
+
+def _image_tokens(cfg: ExtractConfig) -> ImageTokens | None:
+    """The verifier's image tokens where its rows' images are taken (data/extract_render.extract_images)."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.extract_render import extract_images
+
+    if not has_vision_tower(Path(cfg.verifier_path)):
+        return None
+    tok = AutoTokenizer.from_pretrained(str(cfg.verifier_path), trust_remote_code=cfg.trust_remote_code)
+    return extract_images(cfg, tok)[0]
 
 
 def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[str, Any]) -> None:
@@ -293,7 +324,8 @@ def _extract_parts(
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="eagle3-write") as writer:
             for n, rows, accepted, rejects in renderer.parts(todo, _seen_ids(shard, todo)):
-                states = engine([smp.input_ids for _, smp in accepted]) if accepted else []
+                images = [smp.images for _, smp in accepted]
+                states = engine([smp.input_ids for _, smp in accepted], images) if accepted else []
                 if pending is not None:
                     written(pending)
                 pending = writer.submit(_store_part, shard, n, rows, accepted, rejects, states, engine.dtype,
@@ -370,6 +402,16 @@ def _non_finite_states(stored: dict[str, torch.Tensor]) -> str | None:
         elif count:  # an fp8 scale
             found.append(f"{count} of {t.numel()} {key} values")
     return "; ".join(found) or None
+
+
+def _forward_with_images(
+    model: Any, capture: AuxCapture, ids: list[int], pixels: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, n_aux, H], last [T, H]) of one sequence from a forward given its images' pixels."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids], device=device), use_cache=False, **pixels)
+    return capture.pop()
 
 
 def _forward_batched(

@@ -25,6 +25,26 @@ from eagle3_pipeline.core.errors import UserError
 DEPTH = 2  # parts rendered ahead of the forward (memory: their token ids only)
 
 
+# the pixels reach the verifier only in this process's transformers forward
+IMAGES_NEED_HF = "image rows need --engine hf with stored states (vLLM's extraction takes token ids only)"
+
+
+def extract_images(cfg: ExtractConfig, tokenizer: Any) -> tuple[Any, str]:
+    """(ImageTokens or None, why image rows are rejected): a verifier with a vision tower sees its rows'
+    images in the hf engine's forward; the vLLM engine and token shards (states from vLLM online) take
+    none."""
+    from eagle3_pipeline.data.conversations import NO_VISION_TOWER
+    from eagle3_pipeline.data.images import ImageTokens
+    from eagle3_pipeline.data.state_dtype import NO_STATES
+
+    images = ImageTokens.of_verifier(Path(cfg.verifier_path), tokenizer)
+    if images is None:
+        return None, NO_VISION_TOWER
+    if cfg.engine != "hf" or cfg.storage_dtype == NO_STATES:
+        return None, IMAGES_NEED_HF
+    return images, ""
+
+
 def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> None:
     """The helper process: answers ("estimate", ...) and ("render", ...) jobs until ("stop",)."""
 
@@ -51,8 +71,10 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
         tokenizer = AutoTokenizer.from_pretrained(
             str(cfg.verifier_path), trust_remote_code=cfg.trust_remote_code
         )
-        opts = SampleOptions(cfg.max_seq_len, cfg.truncate, cfg.chat_template_kwargs)
         data = Path(cfg.data_path)
+        opts = SampleOptions(cfg.max_seq_len, cfg.truncate, cfg.chat_template_kwargs,
+                             base_dir=data if data.is_dir() else data.parent)  # fmt: skip
+        opts.images, opts.no_images_why = extract_images(cfg, tokenizer)
     except BaseException as e:  # noqa: BLE001 - said in the stage's process
         put(("error", isinstance(e, UserError), f"{type(e).__name__}: {e}"))
         return

@@ -15,11 +15,19 @@ import base64
 import binascii
 import io
 import mimetypes
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from eagle3_pipeline.models.vision import draft_input_id_at_image
+from eagle3_pipeline.models.vision import (
+    MEDIA_PAD,
+    VisionSettings,
+    draft_input_id_at_image,
+    has_vision_tower,
+    image_pixels,
+    image_token_count,
+)
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # OpenAI chat, OpenAI responses, HF processors
 # 40 megapixels: above any camera or screenshot a chat sends (a 4K screen is 8.3 MP), below Pillow's own
@@ -96,6 +104,18 @@ def load_part_image(part: dict[str, Any], base_dir: Path | None) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+def row_image_urls(row: dict[str, Any], base_dir: Path | None) -> list[str]:
+    """The images of a row's `messages` in order, read and checked, as data URLs (a row with
+    `token_samples`, whose messages are for people: only their image parts are read)."""
+    urls = []
+    for m in row.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for p in content if isinstance(content, list) else []:
+            if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES:
+                urls.append(load_part_image(p, base_dir))
+    return urls
+
+
 def decode_data_url(url: str) -> Any:
     """The RGB image of a data URL kept with a row (checked already when the row was read)."""
     return checked_image(read_image_bytes(url, None))
@@ -139,3 +159,66 @@ def expand_sample(
     for t, m in zip(ids, mask, strict=True):
         out_mask.extend([0] * next(todo) if t == pad_id else [m])
     return out_ids, out_mask
+
+
+def image_runs(ids: list[int], image_id: int) -> list[int]:
+    """The lengths of the runs of `image_id` in `ids`: one run per expanded image (media tokens frame
+    each image, so two images never form one run)."""
+    runs: list[int] = []
+    for i, t in enumerate(ids):
+        if t == image_id:
+            if i and ids[i - 1] == image_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+    return runs
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """A vision verifier's images as tokens and pixels: its processor's limits and placeholder id."""
+
+    settings: VisionSettings
+    pad_id: int
+
+    @classmethod
+    def of_verifier(cls, path: Path, tokenizer: Any) -> ImageTokens | None:
+        """The verifier's, or None when it has no vision tower (its image rows are rejected)."""
+        if not has_vision_tower(path):
+            return None
+        return cls(VisionSettings.of_checkpoint(path), int(tokenizer.convert_tokens_to_ids(MEDIA_PAD)))
+
+    def counts(self, urls: list[str]) -> list[int]:
+        return [image_token_count(decode_data_url(u), self.settings) for u in urls]
+
+    def expand_unit(
+        self, ids: list[int], mask: list[int], urls: list[str]
+    ) -> tuple[list[int], list[int], list[str]]:
+        """A rendered sample (one placeholder per image, the row's images from the first) expanded:
+        (ids, mask with image positions out of the loss, the images it holds)."""
+        used = urls[: ids.count(self.pad_id)]
+        out_ids, out_mask = expand_sample(ids, mask, self.pad_id, self.counts(used))
+        return out_ids, out_mask, used
+
+    def images_of(self, ids: list[int], urls: list[str]) -> list[str]:
+        """The images an already expanded sample holds (the row's first ones), checked run by run against
+        their token counts: ids written for other images, or another processor, reject the row."""
+        runs = image_runs(ids, draft_input_id_at_image(self.pad_id))
+        used = urls[: len(runs)]
+        if len(runs) > len(urls) or runs != self.counts(used):
+            raise ImageRejected(
+                f"the token ids hold image runs of {runs} tokens, the row's images need {self.counts(used)}"
+            )
+        return used
+
+    def model_inputs(self, urls: list[str], model: Any = None) -> dict[str, Any]:
+        """What the transformers verifier takes beside the ids: pixel_values (in `model`'s dtype, on its
+        device, when given) and image_grid_thw."""
+        import torch
+
+        pixels = [image_pixels(decode_data_url(u), self.settings) for u in urls]
+        values, grid = torch.cat([p for p, _ in pixels]), torch.tensor([g for _, g in pixels])
+        if model is not None:
+            first = next(model.parameters())
+            values, grid = values.to(first.device, first.dtype), grid.to(first.device)
+        return {"pixel_values": values, "image_grid_thw": grid}

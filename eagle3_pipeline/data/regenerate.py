@@ -31,6 +31,7 @@ from eagle3_pipeline.core.cli import progress
 from eagle3_pipeline.data.config import RegenerateConfig
 from eagle3_pipeline.core.config import provenance
 from eagle3_pipeline.data.conversations import (
+    NO_VISION_TOWER,
     Conversation,
     RawRow,
     RowRejected,
@@ -41,6 +42,7 @@ from eagle3_pipeline.data.conversations import (
 )
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.core.output import StageOutput
+from eagle3_pipeline.data.images import ImageRejected, ImageTokens
 from eagle3_pipeline.data.samples import accepted_rows
 from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
 
@@ -50,6 +52,8 @@ OUTPUT_NAME = "conversations.jsonl"
 # why a row gives no regenerated turn
 NO_PROMPTED_TURN = "no assistant turn after a prompt (an assistant turn that opens the row answers nothing)"
 NO_TURN_FITS = "no assistant turn whose prompt fits max_seq_len"
+# stage 00's vLLM worker takes token prompts only: the pixels would not reach the verifier
+VLLM_NO_IMAGES = "image rows are regenerated with --engine hf (this stage's vLLM worker takes no images)"
 
 
 def resolve_engine(name: str, vllm_python: str | None) -> str:
@@ -111,13 +115,17 @@ class HFGenerator:
     def __exit__(self, *exc: Any) -> None:
         pass
 
-    def generate(self, prompts: list[list[int]], max_new: list[int]) -> list[tuple[list[int], str]]:
+    def generate(
+        self, prompts: list[list[int]], max_new: list[int], image_inputs: list[dict[str, Any]] | None = None
+    ) -> list[tuple[list[int], str]]:
+        """Each prompt's completion; `image_inputs[i]`: prompt i's pixel_values and image_grid_thw."""
         import torch
         from transformers import GenerationConfig
 
         device = next(self.model.parameters()).device
         out = []
-        for prompt, n in zip(prompts, max_new):
+        for i, (prompt, n) in enumerate(zip(prompts, max_new)):
+            pixels = image_inputs[i] if image_inputs else {}
             sample = self.cfg.temperature > 0
             gen = GenerationConfig(
                 max_new_tokens=n,
@@ -129,7 +137,9 @@ class HFGenerator:
             )
             torch.manual_seed(self.cfg.seed)
             with torch.no_grad():
-                ids = self.model.generate(torch.tensor([prompt], device=device), generation_config=gen)
+                ids = self.model.generate(
+                    torch.tensor([prompt], device=device), generation_config=gen, **pixels
+                )
             completion = ids[0, len(prompt) :].tolist()
             finish = "stop" if completion and completion[-1] in self.stop_ids else "length"
             out.append((completion, finish))
@@ -176,9 +186,16 @@ class VLLMGenerator:
         return out
 
 
-def render_prompt(tokenizer: Any, conv: Conversation, turn: int, kwargs: dict[str, Any]) -> list[int]:
-    """The serving prompt of assistant turn `turn`: what vLLM renders for the turns before it."""
-    return render_ids(tokenizer, conv.messages[:turn], True, conv.tools, kwargs)
+def render_prompt(
+    tokenizer: Any, conv: Conversation, turn: int, kwargs: dict[str, Any], images: ImageTokens | None = None
+) -> list[int]:
+    """The serving prompt of assistant turn `turn`: what vLLM renders for the turns before it, each
+    image's placeholder expanded to its token count as vLLM's processor expands it."""
+    ids = render_ids(tokenizer, conv.messages[:turn], True, conv.tools, kwargs)
+    if images is None:
+        return ids
+    before = Conversation(conv.row_id, conv.messages[:turn]).images
+    return images.expand_unit(ids, [0] * len(ids), before)[0] if before else ids
 
 
 def assistant_message(text: str, thinking: bool = False) -> dict[str, Any]:
@@ -213,19 +230,29 @@ def length_summary(lengths: list[int]) -> dict[str, int]:
 
 
 def regenerate_rows(
-    rows: list[tuple[int, Conversation]], tokenizer: Any, generator: Any, cfg: RegenerateConfig
+    rows: list[tuple[int, Conversation]],
+    tokenizer: Any,
+    generator: Any,
+    cfg: RegenerateConfig,
+    images: ImageTokens | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(regenerated rows, rejects): all rows of a block advance one assistant turn per generate call."""
+    """(regenerated rows, rejects): all rows of a block advance one assistant turn per generate call;
+    `images`: the vision verifier's, whose rows' images are given to the generator with each prompt."""
     kwargs = cfg.chat_template_kwargs or {}
     state = [{"row": r, "conv": conv, "samples": [], "turn": _next(conv.messages, 1)} for r, conv in rows]
     rejects: list[dict[str, Any]] = []
     unanswerable = {s["row"] for s in state if s["turn"] is None}  # its only assistant turn opens it
     while True:
-        pending, prompts, budgets = [], [], []
+        pending, prompts, budgets, pixels = [], [], [], []
         for s in state:
             if s["turn"] is None:
                 continue
-            prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs)
+            try:
+                prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs, images)
+            except ImageRejected as e:  # its rendering does not hold its images: the row is rejected
+                s["rejected"] = f"turn {s['turn']}: {e}"
+                s["turn"] = None
+                continue
             room = cfg.max_seq_len - len(prompt)
             if room < 2:  # no room for a reply: the row ends before this turn
                 s["conv"].messages = s["conv"].messages[: s["turn"]]
@@ -234,9 +261,13 @@ def regenerate_rows(
             pending.append(s)
             prompts.append(prompt)
             budgets.append(min(cfg.max_new_tokens, room))
+            urls = Conversation(None, s["conv"].messages[: s["turn"]]).images
+            pixels.append(images.model_inputs(urls, generator.model) if images and urls else {})
         if not pending:
             break
-        for s, prompt, (completion, finish) in zip(pending, prompts, generator.generate(prompts, budgets)):
+        extra = {"image_inputs": pixels} if any(pixels) else {}  # text-only generators take no images
+        completions = generator.generate(prompts, budgets, **extra)
+        for s, prompt, (completion, finish) in zip(pending, prompts, completions):
             i, msgs = s["turn"], s["conv"].messages
             text = tokenizer.decode(completion, skip_special_tokens=True)
             msgs[i] = assistant_message(text, opens_thinking(tokenizer, prompt))
@@ -247,6 +278,9 @@ def regenerate_rows(
     out = []
     for s in state:
         conv = s["conv"]
+        if "rejected" in s:
+            rejects.append({"row": s["row"], "reason": s["rejected"]})
+            continue
         if not s["samples"]:
             reason = NO_PROMPTED_TURN if s["row"] in unanswerable else NO_TURN_FITS
             rejects.append({"row": s["row"], "reason": reason})
@@ -281,6 +315,10 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
     out_dir = out.out_dir
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)
+    images = ImageTokens.of_verifier(verifier_path, tokenizer)
+    no_images_why = NO_VISION_TOWER if images is None else VLLM_NO_IMAGES
+    if engine != "hf":
+        images = None
     stop_ids = end_token_ids(verifier_path, tokenizer)
     total = count_rows(data_path, cfg.data_split)
     max_positions = read_text_config(verifier_path).get("max_position_embeddings") or cfg.max_seq_len
@@ -319,13 +357,14 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         if todo:
             gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
             with gen_cls(verifier_path, cfg, stop_ids) as generator:
-                _run_parts(cfg, out_dir, blocks, todo, tokenizer, generator)
+                _run_parts(cfg, out_dir, blocks, todo, tokenizer, generator, (images, no_images_why))
         _finish(cfg, out, blocks, settings, total)
     return 0
 
 
-def _conversation(raw: RawRow) -> Conversation:
-    conv = normalize_row(raw.value)
+def _conversation(raw: RawRow, base_dir: Path, images: bool, no_images_why: str) -> Conversation:
+    """The row normalised; its images read (relative paths from the data file's folder) when taken."""
+    conv = normalize_row(raw.value, base_dir, images, no_images_why)
     conv.row_id = conv.row_id if conv.row_id is not None else f"row-{raw.index}"
     return conv
 
@@ -343,15 +382,24 @@ def _ids_of_part(path: Path, rows: tuple[int, int]) -> dict[str, int]:
 
 
 def _run_parts(
-    cfg: RegenerateConfig, out_dir: Path, blocks: list, todo: list, tokenizer: Any, generator: Any
+    cfg: RegenerateConfig,
+    out_dir: Path,
+    blocks: list,
+    todo: list,
+    tokenizer: Any,
+    generator: Any,
+    vision: tuple[ImageTokens | None, str],
 ) -> None:
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="regenerate", unit="row")
     t0, done_rows, done_tokens = time.time(), 0, 0
+    images, no_images_why = vision
+    data_path = Path(cfg.data_path)
+    base_dir = data_path if data_path.is_dir() else data_path.parent  # relative image paths start here
     seen: dict[str, int] = {}  # row id -> row over the parts before: a duplicate is a reject, as in stage 01
     to_do, read_up_to = {n for n, _ in todo}, 0
 
     def unique(raw: RawRow) -> Conversation:
-        conv = _conversation(raw)
+        conv = _conversation(raw, base_dir, images is not None, no_images_why)
         if conv.row_id in seen:  # rejected before the verifier spends time on it
             raise RowRejected(f"duplicate id {conv.row_id!r} (first at row {seen[conv.row_id]})")
         seen[conv.row_id] = raw.index
@@ -366,7 +414,7 @@ def _run_parts(
             rejects: list[dict[str, Any]] = []
             raws = read_rows(Path(cfg.data_path), a, b, cfg.data_split)
             rows = list(accepted_rows(raws, unique, rejects, cfg.data_path))
-            out, more = regenerate_rows(rows, tokenizer, generator, cfg)
+            out, more = regenerate_rows(rows, tokenizer, generator, cfg, images)
             rejects += more
             lines = [json.dumps({"rejected": r}) for r in sorted(rejects, key=lambda r: r["row"])]
             lines += [json.dumps(r) for r in out]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.data.conversations import (
+    NO_VISION_TOWER,
     Conversation,
     NotAppendOnly,
     RawRow,
@@ -41,6 +42,7 @@ from eagle3_pipeline.data.conversations import (
     row_id_of,
     tokenize_conversation,
 )
+from eagle3_pipeline.data.images import ImageRejected, ImageTokens, row_image_urls
 
 log = logging.getLogger("eagle3.samples")  # rejected rows of stages 00 and 01
 
@@ -55,6 +57,9 @@ class SampleOptions:
     max_seq_len: int
     truncate: bool = False  # cut a long sample to max_seq_len instead of rejecting the row
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    images: ImageTokens | None = None  # the vision verifier's, where image rows are taken
+    no_images_why: str = NO_VISION_TOWER  # why image rows are rejected where they are not
+    base_dir: Path | None = None  # relative image paths start here (the data file's folder)
 
 
 @dataclass
@@ -63,6 +68,7 @@ class Sample:
     input_ids: list[int]
     loss_mask: list[int]
     truncated_from: int | None = None  # length before truncation, when truncated
+    images: list[str] = field(default_factory=list)  # data URLs of the images its ids hold, in order
 
 
 def sample_id(row_id: str, n: int) -> str:
@@ -81,28 +87,73 @@ def row_samples(row_value: Any, row_index: int, tokenizer: Any, opts: SampleOpti
     if isinstance(row_value, dict) and row_value.get("token_samples") is not None:
         row_id = row_id_of(row_value)
         units = merge_append_only(token_pairs(row_value["token_samples"], len(tokenizer)))
+        urls = _token_row_images(row_value, opts)
     else:
-        conv = normalize_row(row_value)
+        conv = normalize_row(row_value, opts.base_dir, opts.images is not None, opts.no_images_why)
         row_id = conv.row_id
         units = conversation_units(tokenizer, conv, opts)
+        urls = conv.images
+        if urls and opts.images is not None:  # one placeholder per image rendered: expanded
+            units = [_expand_unit(opts.images, ids, mask, urls) for ids, mask in units]
     base = row_id if row_id is not None else f"row-{row_index}"
-    return [Sample(sample_id(base, n), *fitted) for n, fitted in enumerate(fit_length(units, opts))]
+    samples = [Sample(sample_id(base, n), *fitted) for n, fitted in enumerate(fit_length(units, opts))]
+    for smp in samples:
+        cut = f" (cut at max_seq_len {opts.max_seq_len})" if smp.truncated_from else ""
+        smp.images = _images_of(smp.input_ids, urls, opts, f"sample {smp.sample_id!r}{cut}")
+    return samples
 
 
-def first_prompt(row_value: Any, tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> list[int]:
-    """The serving prompt of the row's first assistant turn, built as stage 01 builds its contexts
-    (for 06_evaluate.py: the same template settings as training)."""
+def _expand_unit(images: ImageTokens, ids: list[int], mask: list[int], urls: list[str]) -> Unit:
+    """A rendered sample's ids and loss mask with each image expanded (out of the loss), or RowRejected."""
+    try:
+        return images.expand_unit(ids, mask, urls)[:2]
+    except ImageRejected as e:
+        raise RowRejected(str(e)) from None
+
+
+def _token_row_images(row_value: dict[str, Any], opts: SampleOptions) -> list[str]:
+    """The images of a row with token_samples (its messages' image parts), or RowRejected: an image that
+    cannot be read, or any image where image rows are not taken."""
+    try:
+        urls = row_image_urls(row_value, opts.base_dir)
+    except ImageRejected as e:
+        raise RowRejected(f"messages: {e}") from None
+    if urls and opts.images is None:
+        raise RowRejected(f"the row has {len(urls)} images: {opts.no_images_why}")
+    return urls
+
+
+def first_prompt(row_value: Any, tokenizer: Any, opts: SampleOptions) -> tuple[list[int], list[str]]:
+    """(the serving prompt of the row's first assistant turn, the images it holds), built as stage 01
+    builds its contexts (for 06_evaluate.py: the same template settings and image handling as training)."""
     if isinstance(row_value, dict) and row_value.get("token_samples") is not None:
-        return token_pairs(row_value["token_samples"], len(tokenizer))[0][0]
-    conv = normalize_row(row_value)
+        ids = token_pairs(row_value["token_samples"], len(tokenizer))[0][0]
+        return ids, _images_of(ids, _token_row_images(row_value, opts), opts)
+    conv = normalize_row(row_value, opts.base_dir, opts.images is not None, opts.no_images_why)
     turns = _supervisable_turns(conv)
     if not turns:
         raise RowRejected("no assistant turn after a user turn")
     rules = KimiK25Rules.detect(tokenizer)
     messages = conv.messages
+    kwargs = opts.chat_template_kwargs
     if rules is not None:
-        messages = rules.serving_messages(tokenizer, conv, chat_template_kwargs)
-    return _render(tokenizer, messages[: turns[0]], True, conv.tools, chat_template_kwargs)
+        messages = rules.serving_messages(tokenizer, conv, kwargs)
+    ids = _render(tokenizer, messages[: turns[0]], True, conv.tools, kwargs)
+    urls = Conversation(None, conv.messages[: turns[0]]).images
+    if not urls or opts.images is None:
+        return ids, []
+    expanded = _expand_unit(opts.images, ids, [0] * len(ids), urls)[0]
+    return expanded, _images_of(expanded, urls, opts)
+
+
+def _images_of(ids: list[int], urls: list[str], opts: SampleOptions, where: str = "prompt") -> list[str]:
+    """The images an expanded sample holds, checked against their token counts, or RowRejected."""
+    if opts.images is None:
+        return []
+    try:
+        return opts.images.images_of(ids, urls)
+    except ImageRejected as e:
+        raise RowRejected(f"{where}: {e}") from None
 
 
 def conversation_units(tokenizer: Any, conv: Conversation, opts: SampleOptions) -> list[Unit]:

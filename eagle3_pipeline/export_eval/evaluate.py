@@ -32,7 +32,8 @@ from eagle3_pipeline.data.conversations import RowRejected, read_rows
 from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.reference_mla import read_export
-from eagle3_pipeline.data.samples import first_prompt
+from eagle3_pipeline.data.images import ImageTokens
+from eagle3_pipeline.data.samples import SampleOptions, first_prompt
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
     check_verifier,
@@ -72,20 +73,38 @@ def build_prompts(
 ) -> list[list[int]]:
     """Each usable conversation up to (not including) its first assistant turn, with the generation
     prompt: the serving prompt stage 01 would use as that turn's context (samples.first_prompt), under
-    the same template settings."""
+    the same template settings (a row with images skipped: see prompts_with_images)."""
+    return prompts_with_images(tokenizer, data_path, start, n, chat_template_kwargs)[0]
+
+
+def prompts_with_images(
+    tokenizer: Any,
+    data_path: Path,
+    start: int,
+    n: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    images: ImageTokens | None = None,
+) -> tuple[list[list[int]], list[list[str]]]:
+    """build_prompts' prompts and the images each holds (data URLs); rows with images are taken when
+    `images` (a verifier with a vision tower), placeholders expanded as stage 01 expands them."""
+    opts = SampleOptions(0, chat_template_kwargs=chat_template_kwargs or {}, images=images,
+                         base_dir=data_path if data_path.is_dir() else data_path.parent)  # fmt: skip
     prompts: list[list[int]] = []
+    urls: list[list[str]] = []
     for raw in read_rows(data_path, start, 10**12):
         if len(prompts) >= n:
             break
         if raw.error:
             continue
         try:
-            prompts.append(first_prompt(raw.value, tokenizer, chat_template_kwargs or {}))
+            ids, found = first_prompt(raw.value, tokenizer, opts)
         except RowRejected:
             continue
+        prompts.append(ids)
+        urls.append(found)
     if not prompts:
         raise UserError(f"{data_path}: no usable prompts from row {start}")
-    return prompts
+    return prompts, urls
 
 
 def training_template_kwargs(draft_dir: Path) -> dict[str, Any]:
@@ -124,10 +143,12 @@ def simulate(
     sampling: Sampling = Sampling(),
     replay: list[list[int]] | None = None,
     draft_sample_method: str = "greedy",
+    images: tuple[ImageTokens, list[list[str]]] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """(acceptance summary, continuations) from the simulation: greedy; sampled, request i's trace drawn
     from a generator seeded sampling.seed + i (as vLLM's requests are seeded); or, `replay`, counted
-    over vLLM's sampled outputs for the same requests."""
+    over vLLM's sampled outputs for the same requests. `images`: the verifier's image tokens and each
+    request's images, whose pixels the verifier's forwards see."""
     facts = verifier_facts(verifier_path)
     embed = load_verifier_tensors(verifier_path, facts.tie_word_embeddings)["embed_tokens"]
     draft = read_export(draft_dir, embed)
@@ -146,12 +167,13 @@ def simulate(
     outputs = []
     try:
         for i, prompt in enumerate(progress(prompts, desc="simulate", unit="prompt")):
+            pixels = images[0].model_inputs(images[1][i], model) if images and images[1][i] else {}
             if replay is not None:
-                seq, aux, probs = replay_with_aux(model, capture, prompt, replay[i], sampling)
+                seq, aux, probs = replay_with_aux(model, capture, prompt, replay[i], sampling, pixels)
             else:
                 gen = torch.Generator().manual_seed(sampling.seed + i)
                 seq, aux, probs = verifier_trace_with_aux(
-                    model, capture, prompt, trace_length(max_new_tokens, k), sampling, gen
+                    model, capture, prompt, trace_length(max_new_tokens, k), sampling, gen, pixels
                 )
             simulate_sequence(draft, aux, seq, len(prompt), k, counts, max_new_tokens, probs, verify,
                               probabilistic, coins)  # fmt: skip
@@ -256,6 +278,17 @@ def _verifier_of(cfg: EvaluateConfig, draft_dir: Path, recorded: dict[str, Any])
     return verifier_path
 
 
+def _check_image_prompts(cfg: EvaluateConfig, sampling: Sampling, with_images: int) -> None:
+    """Prompts with images run in the greedy simulation only: the vLLM worker here sends token ids (no
+    pixels), and the sampled simulation's verify pass runs text forwards."""
+    if with_images and cfg.engine != "sim":
+        raise UserError(f"{cfg.data_path}: {with_images} prompts have images: evaluate them with "
+                        "--engine sim (this stage's vLLM worker sends no pixels)")  # fmt: skip
+    if with_images and not sampling.greedy:
+        raise UserError(f"{cfg.data_path}: {with_images} prompts have images: the simulation with images is "
+                        "greedy only (--temperature 0)")  # fmt: skip
+
+
 def run(cfg: EvaluateConfig) -> int:
     draft_dir = Path(cfg.draft_dir)
     if not (draft_dir / "config.json").is_file():
@@ -279,15 +312,21 @@ def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
     if template_kwargs is None:
         template_kwargs = training_template_kwargs(draft_dir)
         log.info("chat_template_kwargs %s (as the training shards were extracted)", template_kwargs)
-    prompts = build_prompts(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts, template_kwargs)
+    image_tokens = ImageTokens.of_verifier(verifier_path, tokenizer)
+    prompts, urls = prompts_with_images(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts,
+                                        template_kwargs, image_tokens)  # fmt: skip
     sampling = sampling_of(cfg)
+    _check_image_prompts(cfg, sampling, sum(map(bool, urls)))
     requests = [p for p in prompts for _ in range(cfg.samples_per_prompt)]  # request i: seed + i
+    request_urls = [u for u in urls for _ in range(cfg.samples_per_prompt)]
+    images = (image_tokens, request_urls) if image_tokens is not None and any(urls) else None
     k = cfg.num_speculative_tokens
     result: dict[str, Any] = {
         "draft_dir": str(draft_dir.resolve()),
         "verifier_path": str(verifier_path),
         "num_prompts": len(prompts),
         "num_requests": len(requests),
+        "num_prompts_with_images": sum(map(bool, urls)),  # their pixels seen by the simulated verifier
         "chat_template_kwargs": template_kwargs,
         "max_new_tokens": cfg.max_new_tokens,
         "num_speculative_tokens": k,
@@ -321,6 +360,7 @@ def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
             sampling,
             replay,
             cfg.draft_sample_method,
+            images,
         )
         _log("sim" if replay is None else "sim (replaying vLLM's outputs)", result["sim"])
     if cfg.engine == "both":

@@ -426,9 +426,11 @@ def verifier_trace_with_aux(
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
+    pixels: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(prompt + continuation, aux states of every position of it, p~ of each new token or None) from
-    the Hugging Face verifier: greedy, or sampled from p~ (`sampling`, `generator`).
+    the Hugging Face verifier: greedy, or sampled from p~ (`sampling`, `generator`); `pixels`: the
+    prompt's images (pixel_values, image_grid_thw), given to every forward over the prompt.
 
     Exactly `max_new_tokens` tokens, an end token included where the verifier emits one, like vLLM's
     `ignore_eos=True` in the worker (an end token is emitted and decoding goes on). transformers'
@@ -447,7 +449,7 @@ def verifier_trace_with_aux(
         return int(torch.multinomial(p, 1, generator=generator))
 
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, **(pixels or {}))
         tokens = [choose(out.logits[0, -1])]
         for _ in range(max_new_tokens - 1):
             step = torch.tensor([[tokens[-1]]], device=device)
@@ -455,20 +457,22 @@ def verifier_trace_with_aux(
             tokens.append(choose(out.logits[0, -1]))
         capture.states.clear()
         seq = torch.cat([ids[0], torch.tensor(tokens, device=device)])
-        model(input_ids=seq[None], use_cache=False)
+        model(input_ids=seq[None], use_cache=False, **(pixels or {}))
     aux, _ = capture.pop()
     return seq.cpu(), aux.flatten(1).float().cpu(), torch.stack(probs) if probs else None
 
 
 def replay_with_aux(
-    model: Any, capture: Any, prompt: list[int], output: list[int], sampling: Sampling
+    model: Any, capture: Any, prompt: list[int], output: list[int], sampling: Sampling,
+    pixels: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(prompt + output, aux states, p~ of each output token) for an output vLLM sampled: one forward."""
+    """(prompt + output, aux states, p~ of each output token) for an output vLLM sampled: one forward
+    (`pixels`: the prompt's images)."""
     device = next(model.parameters()).device
     seq = torch.tensor(prompt + output)
     with torch.no_grad():
         capture.states.clear()
-        logits = model(input_ids=seq[None].to(device), use_cache=False).logits[0]
+        logits = model(input_ids=seq[None].to(device), use_cache=False, **(pixels or {})).logits[0]
     aux, _ = capture.pop()
     probs = sampling.probs(logits[len(prompt) - 1 : len(seq) - 1]).cpu()
     return seq, aux.flatten(1).float().cpu(), probs

@@ -219,6 +219,9 @@ def build_verifier(arch: str, out_dir: Path, seed: int = 0, nest_as_kimi: bool =
     return out_dir
 
 
+VL_ARCH = "kimi_vl"  # [run] tiny_arch of configs/tiny_vl.toml: models/tiny_vl.py's verifier
+
+
 def from_config(config_path: Path) -> None:
     """What scripts/run_tiny.sh needs before stage 00/01: the [run] section's verifier."""
     from eagle3_pipeline.core.config import load_config_file, read_config_file
@@ -231,7 +234,14 @@ def from_config(config_path: Path) -> None:
             import shutil
 
             shutil.rmtree(tmp)
-        build_verifier(run["tiny_arch"], tmp)
+        if run["tiny_arch"] == VL_ARCH:  # the tiny Kimi-K2.5 with its vision tower
+            import subprocess
+
+            # its own process: models/tiny_vl.py builds on this module, which must not import it back
+            subprocess.run([sys.executable, "-m", "eagle3_pipeline.models.tiny_vl", "--out", str(tmp)],
+                           check=True)  # fmt: skip
+        else:
+            build_verifier(run["tiny_arch"], tmp)
         tmp.rename(verifier)
         print(f"tiny {run['tiny_arch']} verifier written to {verifier}")
 

@@ -36,6 +36,14 @@ def draft_input_id_at_image(placeholder_id: int) -> int:
     return placeholder_id
 
 
+def has_vision_tower(path: Path) -> bool:
+    """Whether the checkpoint at `path` sees images: a vision config and the image processor's settings."""
+    cfg_file = path / "config.json"
+    if not (path / "preprocessor_config.json").is_file() or not cfg_file.is_file():
+        return False
+    return json.loads(cfg_file.read_text()).get("vision_config") is not None
+
+
 @dataclass(frozen=True)
 class VisionSettings:
     """The image processor's limits, read from the checkpoint's preprocessor_config.json `media_proc_cfg`

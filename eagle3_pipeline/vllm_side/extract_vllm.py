@@ -167,7 +167,10 @@ class VllmStates:
     def __exit__(self, *exc: Any) -> None:
         self.session.__exit__(*exc)
 
-    def __call__(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(
+        self, sequences: list[list[int]], images: Any = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(image rows never get here: stage 01 rejects them with this engine, extract_render.py)"""
         from safetensors.torch import load_file
 
         if self.starting is not None:

@@ -1,0 +1,225 @@
+"""Image rows through the stages: stage 00 and 01 on the tiny Kimi-K2.5 with its vision tower, a text-only
+verifier's rejects, the states at image positions, and configs/tiny_vl.toml end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.data.conversations import NO_VISION_TOWER, RawRow, RowRejected
+from eagle3_pipeline.data.images import ImageTokens, decode_data_url, image_runs
+
+DATA = Path(__file__).parent / "data"
+
+
+def _vl_rows() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "conversations_vl.jsonl").read_text().splitlines()]
+
+
+def test_a_text_only_verifier_rejects_image_rows_with_the_reason(tiny_verifier, tiny_vl_verifier):
+    """Stage 00 reads rows with images only for a verifier with a vision tower; a text-only one rejects
+    them naming why, and still takes the text rows."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.regenerate import _conversation
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_verifier))
+    assert ImageTokens.of_verifier(tiny_verifier, tok) is None
+    vl = ImageTokens.of_verifier(tiny_vl_verifier, AutoTokenizer.from_pretrained(str(tiny_vl_verifier)))
+    assert vl is not None and vl.settings.patch_size == 14
+    rows = _vl_rows()
+    with pytest.raises(RowRejected, match="turn 0 has image_url content: " + NO_VISION_TOWER[:30]):
+        _conversation(RawRow(1, rows[1]), DATA, False, NO_VISION_TOWER)
+    assert _conversation(RawRow(0, rows[0]), DATA, False, NO_VISION_TOWER).images == []
+    assert len(_conversation(RawRow(3, rows[3]), DATA, True, NO_VISION_TOWER).images) == 2
+
+
+def test_image_runs_count_each_image_apart():
+    assert image_runs([1, 9, 9, 2, 3, 9, 4, 9, 9, 9], 9) == [2, 1, 3]
+    assert image_runs([], 9) == []
+
+
+@pytest.fixture(scope="module")
+def vl_run(tmp_path_factory) -> Path:
+    """configs/tiny_vl.toml through stages 00-06 (06 simulated) in a temp folder: what
+    `bash scripts/run_tiny.sh configs/tiny_vl.toml` runs, less its untrained baseline."""
+    from conftest import moved_config, run_script, script
+
+    from eagle3_pipeline.core.cli import STAGES
+
+    root = tmp_path_factory.mktemp("tiny_vl")
+    cfg = moved_config(Path(__file__).parent.parent / "configs" / "tiny_vl.toml", "runs/tiny_vl", root,
+                       root / "tiny_vl.toml")  # fmt: skip
+    run_script("-m", "eagle3_pipeline.models.tiny", "--from-config", str(cfg))
+    for stage in STAGES.values():
+        extra = ["--engine", "sim"] if stage == "06_evaluate.py" else []
+        run_script(script(stage), "--config", str(cfg), *extra)
+    return root
+
+
+def _shard_samples(root: Path) -> dict[str, dict]:
+    """{sample id: its input_ids, loss_mask and aux states} over the run's one shard."""
+    from safetensors.torch import load_file
+
+    (shard,) = (root / "hidden_states").iterdir()
+    out = {}
+    for f in _json(shard / "manifest.json")["files"]:
+        t = load_file(str(shard / f["file"]))
+        for n, s in enumerate(f["samples"]):
+            a, b = int(t["offsets"][n]), int(t["offsets"][n + 1])
+            out[s["id"]] = {k: t[k][a:b] for k in ("input_ids", "loss_mask", "aux_hidden_states")}
+    return out
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_image_rows_go_through_stages_00_to_06(vl_run):
+    """The mixed file: text and image rows regenerated with their images kept, each prompt's
+    placeholder expanded to its image's token count (two images in img-001's second turn); the three bad
+    image rows rejected with their reasons; the shards hold the image positions as the placeholder id, out
+    of the loss; stage 06 simulates the held-out prompts with images."""
+    from conftest import read_jsonl
+
+    rejects = {r["row"]: r["reason"] for r in read_jsonl(vl_run / "regenerated" / "rejects.jsonl")}
+    assert sorted(rejects) == [5, 6, 7]
+    assert "not_there.png not found" in rejects[5]
+    assert "not valid base64" in rejects[6] and "cannot be decoded" in rejects[7]
+    rows = {r["id"]: r for r in read_jsonl(vl_run / "regenerated" / "conversations.jsonl")}
+    assert set(rows) == {"conv-000", "img-000", "conv-002", "img-001", "img-002", "img-003", "conv-004"}
+    two = rows["img-001"]
+    urls = [p["image_url"]["url"] for m in two["messages"] if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "image_url"]  # fmt: skip
+    assert len(urls) == 2 and all(u.startswith("data:image/png;base64,") for u in urls)
+    pad = _pad_id(vl_run / "verifier")
+    # grid.png 84x56: 3x2 groups of 28x28; tall.png 28x56: 1x2
+    assert [image_runs(s["prompt_ids"], pad) for s in two["token_samples"]] == [[6], [6, 2]]
+    samples = _shard_samples(vl_run)
+    assert set(samples) == set(rows)
+    for sid, s in samples.items():
+        at = s["input_ids"] == pad
+        assert int(at.sum()) == {"img-000": 2, "img-001": 8, "img-002": 2, "img-003": 6}.get(sid, 0)
+        assert not s["loss_mask"][at].any() and s["loss_mask"].any()
+    result = _json(vl_run / "draft" / "acceptance_sim.json")
+    assert result["num_prompts"] == 3 and result["num_prompts_with_images"] == 2
+    assert result["sim"]["mean_acceptance_length"] >= 1.0
+
+
+def _pad_id(verifier: Path) -> int:
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.models.vision import MEDIA_PAD, draft_input_id_at_image
+
+    tok = AutoTokenizer.from_pretrained(str(verifier))
+    return draft_input_id_at_image(tok.convert_tokens_to_ids(MEDIA_PAD))
+
+
+def test_states_at_image_positions_come_from_a_forward_that_saw_the_image(vl_run):
+    """Stage 01's aux states of an image row equal a transformers forward given the image's pixels, and
+    differ from a text-only forward over the same ids at the image positions and after them (before
+    them they agree: causal); the draft's input id there is the placeholder's, whose embedding vLLM's
+    EAGLE-3 draft is fed."""
+    import torch
+    from conftest import read_jsonl
+
+    from eagle3_pipeline.models.tiny_vl import load_vl
+    from eagle3_pipeline.models.vision import VisionSettings, image_pixels
+
+    verifier = vl_run / "verifier"
+    stored = _shard_samples(vl_run)["img-000"]
+    ids = stored["input_ids"].long()
+    pad = _pad_id(verifier)
+    at = (ids == pad).nonzero().flatten()
+    assert len(at) == 2
+    (row,) = [r for r in read_jsonl(vl_run / "regenerated" / "conversations.jsonl") if r["id"] == "img-000"]
+    url = row["messages"][0]["content"][1]["image_url"]["url"]
+    pixels, grid = image_pixels(decode_data_url(url), VisionSettings.of_checkpoint(verifier))
+    model = load_vl(verifier)
+    aux_ids = _json(vl_run / "draft" / "config.json")["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        seen = model(input_ids=ids[None], pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
+                     output_hidden_states=True).hidden_states  # fmt: skip
+        blind = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    aux = stored["aux_hidden_states"].float()
+    for j, layer in enumerate(aux_ids):
+        torch.testing.assert_close(aux[:, j], seen[layer][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux[: at[0], j], blind[layer][0][: at[0]], atol=1e-4, rtol=1e-4)
+        scale = blind[layer][0][at].norm(dim=-1).mean()
+        assert (aux[at, j] - blind[layer][0][at]).norm(dim=-1).min() > 0.1 * scale
+        assert (aux[at[-1] + 1 :, j] - blind[layer][0][at[-1] + 1 :]).norm(dim=-1).min() > 1e-3 * scale
+
+
+def test_stage01_takes_images_only_where_its_forward_sees_the_pixels(tiny_verifier, tiny_vl_verifier):
+    """Image rows reach the verifier in stage 01's transformers forward only: with --engine vllm or token
+    shards (states from vLLM later) they are rejected naming --engine hf; a text-only verifier rejects
+    them naming its missing vision tower."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.data.extract_render import IMAGES_NEED_HF, extract_images
+    from eagle3_pipeline.data.samples import SampleOptions, row_samples
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    hf = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf")
+    assert extract_images(hf, tok)[0] is not None
+    assert extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="vllm"), tok) == (
+        None, IMAGES_NEED_HF)  # fmt: skip
+    tokens_only = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf", storage_dtype="none")
+    assert extract_images(tokens_only, tok)[1] == IMAGES_NEED_HF
+    text_tok = AutoTokenizer.from_pretrained(str(tiny_verifier))
+    text_only = ExtractConfig(verifier_path=str(tiny_verifier))
+    assert extract_images(text_only, text_tok) == (None, NO_VISION_TOWER)
+    row = _vl_rows()[1]
+    with pytest.raises(RowRejected, match="--engine hf"):
+        row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_HF, base_dir=DATA))
+    images = extract_images(hf, tok)[0]
+    (smp,) = row_samples(row, 1, tok, SampleOptions(512, images=images, base_dir=DATA))
+    assert image_runs(smp.input_ids, images.pad_id) == [2] and len(smp.images) == 1
+
+
+class PixelSpy:
+    """A generator that answers "ok" + end and keeps the image inputs each prompt came with."""
+
+    model = None  # the pixels stay float32 on the CPU
+
+    def __init__(self, end: int):
+        self.end, self.seen = end, []
+
+    def generate(self, prompts, max_new, image_inputs=None):
+        self.seen.extend(image_inputs or [{}] * len(prompts))
+        return [([ord("o"), ord("k"), self.end], "stop") for _ in prompts]
+
+
+def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_verifier):
+    """img-001 (grid.png 84x56 in turn 0, tall.png 28x56 in turn 2): turn 1 is generated with grid.png's
+    pixels (6x4 patches of 14 pixels), turn 3 with both images' (24 + 8 patches), each prompt expanded
+    to their token counts; a text row's prompt comes with no pixels."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import RegenerateConfig
+    from eagle3_pipeline.data.regenerate import _conversation, end_token_ids, regenerate_rows
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    images = ImageTokens.of_verifier(tiny_vl_verifier, tok)
+    rows = _vl_rows()
+    convs = [(i, _conversation(RawRow(i, rows[i]), DATA, True, "")) for i in (0, 3)]
+    spy = PixelSpy(end_token_ids(tiny_vl_verifier, tok)[0])
+    cfg = RegenerateConfig(max_new_tokens=8, max_seq_len=512)
+    out, rejects = regenerate_rows(convs, tok, spy, cfg, images)
+    assert not rejects
+    text_first, turn1, turn3 = spy.seen  # one generate call per turn: both rows' first turns, then turn 3
+    assert text_first == {}
+    assert turn1["image_grid_thw"].tolist() == [[1, 4, 6]] and turn1["pixel_values"].shape == (24, 3, 14, 14)
+    assert turn3["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 2]]
+    assert turn3["pixel_values"].shape[0] == 32
+    runs = [image_runs(s["prompt_ids"], images.pad_id) for s in out[1]["token_samples"]]
+    assert runs == [[6], [6, 2]]
+    # a text that writes the placeholder token itself: the rendering holds more images than the row
+    forged = json.loads(json.dumps(rows[1]).replace("What colours", "<|media_pad|> What colours"))
+    conv = _conversation(RawRow(1, forged), DATA, True, "")
+    out, rejects = regenerate_rows([(1, conv)], tok, PixelSpy(spy.end), cfg, images)
+    assert out == [] and rejects == [{"row": 1, "reason": "turn 1: the rendering has 2 image placeholders "
+                                      "for 1 images"}]  # fmt: skip
