@@ -435,9 +435,10 @@ WINDOW = 16  # tokens: every tier prompt is longer, and each answer runs MAX_NEW
 @pytest.mark.parametrize("tier_run", ["mla"], indirect=True)
 def test_windowed_draft_is_served_losslessly_as_the_simulation_drafts_it(tier_run, prompts, worker, tmp_path):
     """The trained export with a 16-token window written as vLLM reads it (layer_types + sliding_window,
-    export_window.py), served beside the verifier: lossless, and vLLM's drafts and accepted drafts per depth equal the simulation's,
-    which drafts within the window (reference_draft.py; training attends as that reading does:
-    test_draft_window.py). The same weights simulated without the window count otherwise."""
+    export_window.py), served beside the verifier: lossless, and vLLM's drafts and accepted drafts per
+    depth equal the simulation's, which drafts within the window (reference_draft.py; training attends
+    as that reading does: test_draft_window.py). The same weights simulated without the window count
+    otherwise."""
     import shutil
 
     from eagle3_pipeline.export_eval.evaluate import simulate
