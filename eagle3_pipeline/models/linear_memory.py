@@ -12,8 +12,8 @@ swap one at a time; kernel_policy.py picks them):
   them see, built per chunk from the document ids: in step 0's keys those of the chunk's documents up to
   the chunk's end (causal, same document, padding id -1 sees only itself), in each later step's keys
   only the query's own position; a windowed draft's only the keys within its window (draft_window.py),
-  so its chunks skip the rest and cost the same per query at any length. A custom autograd function keeps q, k, v and recomputes each chunk in
-  backward, so neither scores nor masks outlive a chunk.
+  so its chunks skip the rest and cost the same per query at any length. A custom autograd function
+  keeps q, k, v and recomputes each chunk in backward, so neither scores nor masks outlive a chunk.
 - a chunked head and loss (`chunked_step_loss`): per LOSS_CHUNK positions, the draft's logits, the
   verifier's logits and the recipe's per-position losses under torch.utils.checkpoint, so backward
   recomputes one chunk's [chunk, draft vocab] logits at a time instead of keeping them for every

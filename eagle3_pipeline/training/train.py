@@ -174,10 +174,8 @@ def check_resume(cfg: TrainConfig, run_meta: dict[str, Any]) -> Path | None:
 def resolve_kernels(cfg: TrainConfig, device: torch.device) -> kernels.Kernels:
     """attn_impl, loss_impl and compile for this device (kernel_policy.py); a packed row holds at most
     max(batch_tokens, max_seq_len) tokens (one over-long sample alone)."""
-    return kernels.resolve(
-        cfg.attn_impl, cfg.loss_impl, cfg.compile, device, max(cfg.batch_tokens, cfg.max_seq_len),
-        windowed=cfg.sliding_window is not None,
-    )
+    return kernels.resolve(cfg.attn_impl, cfg.loss_impl, cfg.compile, device,
+                           max(cfg.batch_tokens, cfg.max_seq_len), windowed=cfg.sliding_window is not None)
 
 
 def build_model(
