@@ -34,7 +34,7 @@ Examples:
   python 04_train.py --config configs/kimi_k25.toml                        # one GPU, bf16
   torchrun --nproc-per-node 8 04_train.py --config configs/kimi_k25.toml   # 8 GPUs, DDP
   torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint train-0:29500 --rdzv-id k \
-    04_train.py --config configs/kimi_k25.toml --out-dir /shared/kimi/train   # on each of 4 nodes
+    04_train.py --config configs/kimi_k25.toml --out-dir /nfs/kimi/train   # on each of 4 nodes
   python 04_train.py --config configs/tiny.toml                            # CPU smoke, fp32
   python 04_train.py --config configs/kimi_k25.toml --plan --plan-gpus 8 --plan-tokens-per-second 200000
   python 04_train.py --config configs/kimi_k25.toml --states online --data-dir runs/kimi/tokens --serve-line
