@@ -7,7 +7,7 @@ tokenising, forward, encoding, hashing, writing, the finished shard), and a bare
 what no extraction can skip: import the engine, load the verifier, run the forward over the same samples
 (token ids given, part by part as stage 01 groups them) and, for vLLM, read its states back.
 hf: transformers, torch threads as --threads; vllm: vLLM's extract_hidden_states method in its CPU build
-(engine settings from eagle3_vllm/worker.py, as stage 01 uses them). Ratio = stage wall / bare
+(engine settings from vllm_side/worker.py, as stage 01 uses them). Ratio = stage wall / bare
 wall, medians of interleaved runs (this machine is shared and noisy). The bare programs' own timings
 (load, forward) are reported beside it. Data: tests/data/conversations.jsonl repeated under fresh ids.
 
@@ -53,8 +53,8 @@ print(json.dumps({"load_s": load_s, "forward_s": time.perf_counter() - t0}))
 """
 BARE_VLLM = r"""
 import json, os, sys, time
-from eagle3_vllm import worker as w
-from eagle3_vllm.protocol import load_request
+from eagle3_pipeline.vllm_side import worker as w
+from eagle3_pipeline.vllm_side.protocol import load_request
 from safetensors.torch import load_file
 from vllm import LLM, SamplingParams
 req = load_request(sys.argv[1])

@@ -8,7 +8,7 @@
 The draft: configs/tiny_mla.toml (the tiny Kimi-latent MLA verifier) with `parallel_drafting = true`,
 `parallel_k = 8`, made by scripts/run_tiny.sh under --run-dir (reused when complete). Each setting is one
 vLLM engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core and the proposer run in
-the process that times them) built by the worker's own engine_kwargs (eagle3_vllm/worker.py: CPU settings,
+the process that times them) built by the worker's own engine_kwargs (vllm_side/worker.py: CPU settings,
 eager); the greedy batch runs once to warm up, then once timed. Figure: the mean wall time of vLLM's
 `SpecDecodeBaseProposer.propose` per call (one call per decode step of the whole batch: the first pass over
 the verified tokens plus the drafts): the median call over 3 timed runs (robust to this shared machine's
@@ -34,7 +34,7 @@ SETTINGS = [("parallel", 1, True), ("parallel", 8, True), ("sequential chain", 8
 PROBE = r"""
 import json, os, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from eagle3_vllm import protocol, worker
+from eagle3_pipeline.vllm_side import protocol, worker
 req = protocol.load_request(sys.argv[1])
 from vllm import LLM, SamplingParams
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 LAYERS = (
     "core",  # errors, output folders (storage), the settings machinery, the run's layout (stage order, folders)
     "models",  # the verifier, the draft spec, the draft as vLLM reads it, vLLM's acceptance rule
-    "vllm_side",  # the client of vLLM's own environment (eagle3_vllm): generation, hidden states
+    "vllm_side",  # vLLM's own environment: its worker, the client that runs it, the CPU plugin
     "data",  # stages 00-03: conversations -> samples -> shards, vocabulary mapping, split
     "training",  # stage 04: the TTT trainer, checkpoints, DDP, kernels, online states, plots
     "export_eval",  # stages 05-06: the vLLM export behind its gate, acceptance measured

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the separate virtualenv holding vLLM's CPU build, used only to run
-# eagle3_vllm (python -m eagle3_vllm). Idempotent: a second run with unchanged requirements only
-# re-checks the environment.
+# vLLM's side of the pipeline (python -m eagle3_pipeline.vllm_side). Idempotent: a second run with
+# unchanged requirements only re-checks the environment.
 #
 #   scripts/setup_vllm_cpu.sh                 # -> <repo>/.venv-vllm
 #   VLLM_VENV=/somewhere/venv scripts/setup_vllm_cpu.sh
@@ -82,9 +82,9 @@ if [[ -z "$versions" ]]; then
     fi
 fi
 # CPU-only vLLM settings packaged as a vLLM general plugin (block sizes EAGLE-3 shares with CPU MLA):
-# scripts/vllm_cpu_plugin; reinstalled every run (seconds), never installed anywhere but this CPU env.
+# eagle3_pipeline/vllm_side/cpu_plugin; reinstalled every run (seconds), never installed but in this CPU env.
 "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall \
-    "$ROOT/scripts/vllm_cpu_plugin" || die "could not install scripts/vllm_cpu_plugin"
+    "$ROOT/eagle3_pipeline/vllm_side/cpu_plugin" || die "could not install the CPU plugin (vllm_side/cpu_plugin)"
 "$PY" -c "from importlib.metadata import entry_points as e; import sys
 sys.exit(0 if any(p.name == 'eagle3_cpu_block_sizes' for p in e(group='vllm.general_plugins')) else 1)" \
     || die "the eagle3 CPU plugin is not registered in $VENV"

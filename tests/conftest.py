@@ -55,7 +55,8 @@ VLLM_GROUPS = ("vllm_tier_runs", "vllm_states")
 # time"): started right after the tier's units, so that the units left for the last minutes, when one worker
 # may be idle, are short ones.
 SLOW_UNITS = ("test_resume", "test_multi_node", "test_image_rows", "test_fp8", "test_disk_full", "test_plan",
-              "test_kernels", "test_nothing_lost", "test_regenerate", "test_fingerprints", "test_served_as_exported",
+              "test_kernels", "test_nothing_lost", "test_regenerate", "test_fingerprints",
+              "test_served_as_exported",
               "test_plots_trackers", "test_parallel_draft", "test_pipeline")  # fmt: skip
 
 

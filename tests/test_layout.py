@@ -198,3 +198,34 @@ def test_each_xdist_worker_runs_torch_and_vllm_on_its_share_of_the_cores():
     probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
     child = subprocess.run(probe, env=script_env(), capture_output=True, text=True, check=True)
     assert (torch.get_num_threads(), int(child.stdout)) == (want, want)
+
+
+# vllm_side's half that runs inside vLLM's own environment, where the pipeline's dependencies are not installed
+VLLM_ENV_MODULES = ("worker", "protocol", "cpu", "__main__")
+
+
+def test_the_vllm_env_half_of_vllm_side_imports_only_the_standard_library_vllm_and_itself():
+    """`python -m eagle3_pipeline.vllm_side` runs in vLLM's environment: its modules (and the package
+    __init__ files it passes through) may import nothing of the pipeline's half or its dependencies."""
+    import sys
+
+    side = PKG / "vllm_side"
+    files = [side / f"{m}.py" for m in VLLM_ENV_MODULES] + [PKG / "__init__.py", side / "__init__.py"]
+    own = {f"eagle3_pipeline.vllm_side.{m}" for m in VLLM_ENV_MODULES} | {"eagle3_pipeline.vllm_side"}
+    foreign = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                names = [n for n in names if not n.startswith("eagle3_pipeline.") or n in own] or names[:1]
+            else:
+                continue
+            for n in names:
+                top = n.split(".")[0]
+                if top in sys.stdlib_module_names or top == "vllm" or n in own:
+                    continue
+                foreign.append(f"{path.relative_to(PKG)} imports {n}")
+    assert foreign == []
+    assert (side / "cpu_plugin" / "pyproject.toml").is_file()  # the CPU plugin lives here too

@@ -117,7 +117,7 @@ def tier_run(request, tier_stages) -> Path:
 def worker(vllm_worker, tier_run):
     """The session's vLLM worker (conftest.vllm_worker) for the tests of a verifier: it rebuilds its engine
     when a request's engine settings (draft, draft_sample_method, ...) change, and reports counters per
-    request (the metrics' increase over that request's generate call, eagle3_vllm/worker.py)."""
+    request (the metrics' increase over that request's generate call, vllm_side/worker.py)."""
     yield vllm_worker
     vllm_worker.release()
 

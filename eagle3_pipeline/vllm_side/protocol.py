@@ -1,13 +1,13 @@
 """How the pipeline and the vLLM worker talk: standard library only, imported from both environments.
 
-A client (eagle3_pipeline/vllm_side/vllm_engine.py) starts `<vLLM env python> -m eagle3_vllm --session` (or a
+A client (vllm_engine.py) starts `<vLLM env python> -m eagle3_pipeline.vllm_side --session` (or a
 server, `--serve HOST:PORT --request REQ.json`, for clients on this machine) and sends one JSON line per
 request: {"request": REQ.json, "out": OUT.json}, {"start": REQ.json} to start that request's engine
 without running it, {"release": true} to stop the engine until the next request, or CLOSE to end the
 session (or the server's connection) without an answer. Each answer is one
 line MARK + JSON: {"out": ...}, {"started": seconds}, {"released": true}, or {"error": ..., "root_cause":
 ...}. The worker keeps one engine while ENGINE_KEYS stay the same.
-`load_request` is the request's schema (eagle3_vllm/worker.py's docstring lists every key).
+`load_request` is the request's schema (vllm_side/worker.py's docstring lists every key).
 """
 
 from __future__ import annotations
