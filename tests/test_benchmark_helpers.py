@@ -46,7 +46,10 @@ def test_project_recipe_takes_the_given_rows_mode_when_asked():
 
 def test_a_run_is_cached_only_when_its_last_checkpoint_is_complete(tmp_path):
     dq = _load("draft_quality")
-    from eagle3_pipeline.core.storage import mark_complete
+    from eagle3_pipeline.core.storage import COMPLETE_MARKER
+
+    def mark_complete(folder):  # what a finished checkpoint holds (core/output.py writes it)
+        (folder / COMPLETE_MARKER).write_bytes(b"")
 
     ckpts = tmp_path / "checkpoints"
     assert not dq.finished(tmp_path, 72)  # nothing trained
@@ -62,7 +65,10 @@ def test_a_run_is_cached_only_when_its_last_checkpoint_is_complete(tmp_path):
 
 def test_a_cached_speculators_run_of_other_steps_is_refused_not_reused(tmp_path):
     dq = _load("draft_quality")
-    from eagle3_pipeline.core.storage import mark_complete
+    from eagle3_pipeline.core.storage import COMPLETE_MARKER
+
+    def mark_complete(folder):  # what a finished checkpoint holds (core/output.py writes it)
+        (folder / COMPLETE_MARKER).write_bytes(b"")
 
     run = tmp_path / "runs" / "speculators"
     (run / "checkpoints" / "step_000048").mkdir(parents=True)

@@ -36,6 +36,17 @@ def test_a_text_only_verifier_rejects_image_rows_with_the_reason(tiny_verifier, 
     assert len(_conversation(RawRow(3, rows[3]), DATA, True, NO_VISION_TOWER).images) == 2
 
 
+def test_resumable_outputs_pin_the_image_processor_of_a_vision_verifier(tiny_verifier, tiny_vl_verifier):
+    """The processor's settings decide each image's token count, so stages 00 and 01 pin them in run.json
+    (a resume under other ones is refused as another run); a text-only verifier pins nothing new (its
+    unfinished outputs stay resumable)."""
+    from eagle3_pipeline.models.vision import processor_settings
+
+    assert processor_settings(tiny_verifier) == {}
+    pinned = processor_settings(tiny_vl_verifier)["media_proc_cfg"]
+    assert pinned["patch_size"] == 14 and "in_patch_limit" in pinned
+
+
 def test_image_runs_count_each_image_apart():
     assert image_runs([1, 9, 9, 2, 3, 9, 4, 9, 9, 9], 9) == [2, 1, 3]
     assert image_runs([], 9) == []
@@ -86,6 +97,9 @@ def test_image_rows_go_through_stages_00_to_06(vl_run):
 
     rejects = {r["row"]: r["reason"] for r in read_jsonl(vl_run / "regenerated" / "rejects.jsonl")}
     assert sorted(rejects) == [5, 6, 7]
+    (shard,) = (vl_run / "hidden_states").iterdir()
+    for folder in (vl_run / "regenerated", shard):  # each image's token count pinned for a resume
+        assert "media_proc_cfg" in json.loads((folder / "run.json").read_text())
     assert "not_there.png not found" in rejects[5]
     assert "not valid base64" in rejects[6] and "cannot be decoded" in rejects[7]
     rows = {r["id"]: r for r in read_jsonl(vl_run / "regenerated" / "conversations.jsonl")}

@@ -50,7 +50,7 @@ def test_thinking_turns_keep_reasoning_and_a_cut_turn_is_reasoning_marked_length
         "<|im_assistant|>assistant<|im_middle|><think></think>A1<|im_end|>"
         "<|im_user|>user<|im_middle|>q2<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
     )
-    assert row["token_samples"][1]["prompt_ids"] == render_prompt(tok, normalize_row(row), 3, {})
+    assert row["token_samples"][1]["prompt_ids"] == render_prompt(tok, normalize_row(row), 3, {})[0]
     # stage 01 supervises the generated ids verbatim, reasoning included
     samples = row_samples(row, 0, tok, SampleOptions(max_seq_len=4096))
     supervised = [t for s in samples for t, m in zip(s.input_ids, s.loss_mask) if m]

@@ -45,7 +45,7 @@ from eagle3_pipeline.models.verifier import (
     verifier_facts,
     verifier_fingerprint,
 )
-from eagle3_pipeline.models.vision import has_vision_tower
+from eagle3_pipeline.models.vision import has_vision_tower, processor_settings
 
 log = logging.getLogger("eagle3.extract")
 
@@ -202,6 +202,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         "chat_template_kwargs": cfg.chat_template_kwargs,  # 06_evaluate.py builds its prompts with these
         "truncate": cfg.truncate,
         "trust_remote_code": cfg.trust_remote_code,  # the checkpoint's own tokenizer code: other ids
+        **processor_settings(Path(cfg.verifier_path)),  # an image's token count (none without a vision tower)
     }
     if cfg.engine == "hf" and storage_dtype != state_dtype.NO_STATES:
         # its batches: padding changes the float results (by ~3e-6 on CPU), so a resume with another
@@ -233,7 +234,9 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
                           storage_dtype)  # fmt: skip
     # --overwrite keeps the old shard aside until the new one is complete: a refused (empty) or failed
     # new shard puts it back
-    with out.in_place(settings):
+    with out.in_place(settings) as started:
+        if not started:  # finished by a writer just gone
+            return
         log.info(
             "shard %s: rows [%d, %d), %d parts, %d to do, aux layers %s, dtype %s, stored as %s",
             shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,

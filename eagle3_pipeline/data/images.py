@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.models.vision import (
     MEDIA_PAD,
     VisionSettings,
@@ -186,7 +187,11 @@ class ImageTokens:
         """The verifier's, or None when it has no vision tower (its image rows are rejected)."""
         if not has_vision_tower(path):
             return None
-        return cls(VisionSettings.of_checkpoint(path), int(tokenizer.convert_tokens_to_ids(MEDIA_PAD)))
+        pad_id = tokenizer.convert_tokens_to_ids(MEDIA_PAD)
+        if not isinstance(pad_id, int) or pad_id == tokenizer.unk_token_id or pad_id < 0:
+            raise UserError(f"{path}: the tokenizer has no {MEDIA_PAD} token, which stands for an image's "
+                            "tokens; image rows need Kimi-K2.5's tokenizer")  # fmt: skip
+        return cls(VisionSettings.of_checkpoint(path), pad_id)
 
     def counts(self, urls: list[str]) -> list[int]:
         return [image_token_count(decode_data_url(u), self.settings) for u in urls]

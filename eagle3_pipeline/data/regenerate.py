@@ -45,6 +45,7 @@ from eagle3_pipeline.core.output import StageOutput
 from eagle3_pipeline.data.images import ImageRejected, ImageTokens
 from eagle3_pipeline.data.samples import accepted_rows
 from eagle3_pipeline.models.verifier import read_text_config, verifier_fingerprint
+from eagle3_pipeline.models.vision import has_vision_tower, processor_settings
 
 log = logging.getLogger("eagle3.regenerate")
 
@@ -188,14 +189,18 @@ class VLLMGenerator:
 
 def render_prompt(
     tokenizer: Any, conv: Conversation, turn: int, kwargs: dict[str, Any], images: ImageTokens | None = None
-) -> list[int]:
-    """The serving prompt of assistant turn `turn`: what vLLM renders for the turns before it, each
-    image's placeholder expanded to its token count as vLLM's processor expands it."""
+) -> tuple[list[int], list[str]]:
+    """(the serving prompt of assistant turn `turn`, the images it holds): what vLLM renders for the turns
+    before it, each image's placeholder expanded to its token count as vLLM's processor expands it. The
+    images are those the expansion used, so the verifier is given exactly one image per placeholder."""
     ids = render_ids(tokenizer, conv.messages[:turn], True, conv.tools, kwargs)
     if images is None:
-        return ids
+        return ids, []
     before = Conversation(conv.row_id, conv.messages[:turn]).images
-    return images.expand_unit(ids, [0] * len(ids), before)[0] if before else ids
+    if not before:
+        return ids, []
+    expanded, _, used = images.expand_unit(ids, [0] * len(ids), before)
+    return expanded, used
 
 
 def assistant_message(text: str, thinking: bool = False) -> dict[str, Any]:
@@ -248,7 +253,7 @@ def regenerate_rows(
             if s["turn"] is None:
                 continue
             try:
-                prompt = render_prompt(tokenizer, s["conv"], s["turn"], kwargs, images)
+                prompt, urls = render_prompt(tokenizer, s["conv"], s["turn"], kwargs, images)
             except ImageRejected as e:  # its rendering does not hold its images: the row is rejected
                 s["rejected"] = f"turn {s['turn']}: {e}"
                 s["turn"] = None
@@ -261,7 +266,6 @@ def regenerate_rows(
             pending.append(s)
             prompts.append(prompt)
             budgets.append(min(cfg.max_new_tokens, room))
-            urls = Conversation(None, s["conv"].messages[: s["turn"]]).images
             pixels.append(images.model_inputs(urls, generator.model) if images and urls else {})
         if not pending:
             break
@@ -315,10 +319,11 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
     out_dir = out.out_dir
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)
-    images = ImageTokens.of_verifier(verifier_path, tokenizer)
-    no_images_why = NO_VISION_TOWER if images is None else VLLM_NO_IMAGES
-    if engine != "hf":
-        images = None
+    # image rows go through the transformers generator only: the vLLM engine rejects them (reason below)
+    # without reading the checkpoint's image processor, so a text run of a vision checkpoint needs none
+    vision = has_vision_tower(verifier_path)
+    no_images_why = VLLM_NO_IMAGES if vision else NO_VISION_TOWER
+    images = ImageTokens.of_verifier(verifier_path, tokenizer) if vision and engine == "hf" else None
     stop_ids = end_token_ids(verifier_path, tokenizer)
     total = count_rows(data_path, cfg.data_split)
     max_positions = read_text_config(verifier_path).get("max_position_embeddings") or cfg.max_seq_len
@@ -336,6 +341,7 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         "engine": engine,
         "stop_token_ids": stop_ids,
         **engine_settings(engine, cfg.vllm_python),
+        **processor_settings(verifier_path),  # an image's token count (none for a text-only verifier)
         # trust_remote_code: the checkpoint's own tokenizer code instead of transformers' (other ids)
         **{k: getattr(cfg, k) for k in ("max_new_tokens", "max_seq_len", "temperature", "top_p", "seed",
                                          "rows_per_part", "data_split", "chat_template_kwargs",

@@ -44,6 +44,16 @@ def has_vision_tower(path: Path) -> bool:
     return json.loads(cfg_file.read_text()).get("vision_config") is not None
 
 
+def processor_settings(path: Path) -> dict[str, Any]:
+    """The image processor's settings as a resumable output pins them (`{"media_proc_cfg": ...}`; empty
+    for a checkpoint without a vision tower): they set how many tokens each image becomes, so parts
+    written under other ones do not belong together."""
+    if not has_vision_tower(path):
+        return {}
+    cfg = json.loads((path / "preprocessor_config.json").read_text()).get("media_proc_cfg")
+    return {"media_proc_cfg": cfg}
+
+
 @dataclass(frozen=True)
 class VisionSettings:
     """The image processor's limits, read from the checkpoint's preprocessor_config.json `media_proc_cfg`

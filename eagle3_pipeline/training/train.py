@@ -292,9 +292,11 @@ def _run(cfg: TrainConfig, dist: Dist, device: torch.device, out: StageOutput) -
     log.info("plan | steps %d (%d per epoch) | warm-up %d | validate every %d | save every %d | lr %.1e %s",
              plan.total_steps, plan.steps_per_epoch, plan.warmup_steps, plan.eval_every, plan.save_every,
              cfg.lr, cfg.lr_schedule)  # fmt: skip
-    if dist.rank == 0:  # the old run (--overwrite) kept aside until the new run's first checkpoint
-        out.open_in_place("run", {**run_meta, **provenance(cfg)})
     try:
+        # the old run (--overwrite) kept aside until the new run's first checkpoint; opened inside the
+        # block, so that a meta.json the disk refuses puts the old run back
+        if dist.rank == 0:
+            out.open_in_place("run", {**run_meta, **provenance(cfg)})
         # every rank sees rank 0's run folder and its checkpoint (a folder local to each node is refused)
         check_run_dir(Path(cfg.out_dir), resume_from, dist)
         tracker = trackers.open_trackers(
