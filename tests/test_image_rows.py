@@ -237,3 +237,17 @@ def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_veri
     out, rejects = regenerate_rows([(1, conv)], tok, PixelSpy(spy.end), cfg, images)
     assert out == [] and rejects == [{"row": 1, "reason": "turn 1: the rendering has 2 image placeholders "
                                       "for 1 images"}]  # fmt: skip
+
+
+def test_plan_counts_an_image_row_with_its_image_tokens(vl_run):
+    """Stage 01's --plan (and its disk check, the same count) sizes the states by the tokens stage 01
+    stores: an image row counts each image as its tokens, not as a rejected row's nothing."""
+    from conftest import run_script, script
+
+    out = vl_run / "plan_01.json"
+    run_script(script("01_extract_hidden_states.py"), "--config", str(vl_run / "tiny_vl.toml"), "--plan",
+               "--plan-json", str(out))  # fmt: skip
+    tokens = _json(out)["tokens"]
+    stored = sum(len(s["input_ids"]) for s in _shard_samples(vl_run).values())
+    assert tokens["num_rows"] == 7
+    assert tokens["tokens_per_row"] * tokens["num_rows"] == pytest.approx(stored)

@@ -89,12 +89,11 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
             if job[0] == "stop":
                 return
             if job[0] == "estimate":
-                put(
-                    (
-                        "estimate",
-                        sample_tokens_per_row(tokenizer, data, cfg.data_split, *job[1:], cfg.max_seq_len),
-                    )
+                start, end = job[1:]
+                per_row = sample_tokens_per_row(
+                    tokenizer, data, cfg.data_split, start, end, cfg.max_seq_len, opts=opts
                 )
+                put(("estimate", per_row))
                 continue
             _, todo, done = job
             seen: dict[str, int] = {}

@@ -418,26 +418,34 @@ def block_samples(
 
 
 def sample_lengths(
-    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64
+    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64,
+    opts: SampleOptions | None = None,
 ) -> tuple[list[int], int]:
-    """(token counts of the accepted rows, rows read) over the first n rows of [start, end)."""
+    """(token counts of the accepted rows, rows read) over the first n rows of [start, end). With `opts`
+    of a verifier that takes images, a row counts the samples stage 01 stores, each image as its tokens
+    (without them an image row would count as a rejected one: nothing)."""
     lengths, read = [], 0
     for raw in read_rows(data_path, start, min(end, start + n), split):
         read += 1
         try:
             if raw.error:
                 raise RowRejected(raw.error)
+            if opts is not None and opts.images is not None:
+                samples = row_samples(raw.value, raw.index, tokenizer, opts)
+                lengths.append(sum(len(smp.input_ids) for smp in samples))
+                continue
             _, messages = normalize_messages(raw.value)
             ids, _ = tokenize_conversation(tokenizer, messages, max_seq_len)
-        except RowRejected:
+        except (RowRejected, ImageRejected):
             continue
         lengths.append(len(ids))
     return lengths, read
 
 
 def sample_tokens_per_row(
-    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64
+    tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64,
+    opts: SampleOptions | None = None,
 ) -> float | None:
     """Mean tokens per input row (a rejected row counts 0) over a sample; None without rows."""
-    lengths, read = sample_lengths(tokenizer, data_path, split, start, end, max_seq_len, n)
+    lengths, read = sample_lengths(tokenizer, data_path, split, start, end, max_seq_len, n, opts)
     return sum(lengths) / read if read else None

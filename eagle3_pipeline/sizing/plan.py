@@ -54,7 +54,8 @@ from eagle3_pipeline.core.config import SERVING_K, config_from_file, read_config
 from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.models.draft import DraftSpec, build_draft, spec_for_training, trainable_names
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.samples import sample_lengths
+from eagle3_pipeline.data.extract_render import extract_images
+from eagle3_pipeline.data.samples import SampleOptions, sample_lengths
 from eagle3_pipeline.models.verifier import (
     check_aux_layer_ids,
     default_aux_layer_ids,
@@ -457,8 +458,11 @@ def emit(p: dict[str, Any], opts: PlanOptions) -> int:
 
 
 def _tokens_from_data(
-    data_path: Path | None, verifier_path: Path, split: str, max_seq_len: int, opts: PlanOptions, trust: bool
+    data_path: Path | None, verifier_path: Path, max_seq_len: int, opts: PlanOptions, extract: ExtractConfig
 ) -> Tokens:
+    """Rows and tokens per row of stage 01's data, tokenized as stage 01 renders it (`extract`: its
+    split, engine and remote-code setting; an image row counts its image tokens where stage 01 takes it)."""
+    split = extract.data_split
     rows = opts.plan_rows
     if rows is None and data_path is not None and data_path.exists():
         rows = count_rows(data_path, split)
@@ -469,12 +473,17 @@ def _tokens_from_data(
     try:
         from transformers import AutoTokenizer
 
+        trust = extract.trust_remote_code
         tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=trust)
     except Exception as e:  # noqa: BLE001 - no tokenizer next to a config-only verifier: say so, go on
         return Tokens(rows, None, None, f"no tokenizer in {verifier_path} ({type(e).__name__}): "
                       "give --plan-tokens-per-row")  # fmt: skip
-    n = opts.plan_sample_rows
-    lengths, read = sample_lengths(tokenizer, data_path, split, 0, rows or 0, max_seq_len, n)
+    render = SampleOptions(max_seq_len, extract.truncate, extract.chat_template_kwargs,
+                           base_dir=data_path if data_path.is_dir() else data_path.parent)  # fmt: skip
+    of_verifier = dataclasses.replace(extract, verifier_path=str(verifier_path))
+    render.images, render.no_images_why = extract_images(of_verifier, tokenizer)
+    lengths, read = sample_lengths(tokenizer, data_path, split, 0, rows or 0, max_seq_len,
+                                   opts.plan_sample_rows, render)  # fmt: skip
     per_row = sum(lengths) / read if read else None
     return Tokens(rows, per_row, lengths, f"tokenized {read} rows of {data_path}")
 
@@ -498,9 +507,7 @@ def plan_extract(cfg: ExtractConfig, opts: PlanOptions, config_path: str | None)
     vocab = config_from_file(VocabConfig, config_path)
     verifier_path = Path(cfg.verifier_path)
     storage_name = state_dtype.resolve_storage_dtype(cfg.storage_dtype, state_dtype.resolve_dtype(cfg.dtype))
-    tokens = _tokens_from_data(
-        Path(cfg.data_path), verifier_path, cfg.data_split, cfg.max_seq_len, opts, cfg.trust_remote_code
-    )
+    tokens = _tokens_from_data(Path(cfg.data_path), verifier_path, cfg.max_seq_len, opts, cfg)
     p = build(
         verifier_path, cfg.aux_layer_ids, storage_name, train, vocab.draft_vocab_size,
         tokens, opts, Path(cfg.out_dir), serve_tp=_serve_tp(config_path, opts), serve_k=_serve_k(config_path),
@@ -541,10 +548,7 @@ def plan_train(cfg: TrainConfig, opts: PlanOptions, config_path: str | None) -> 
         if verifier is None:
             raise UserError("--plan needs the verifier's config.json: give --verifier-path")
         data = extract.data_path
-        tokens = _tokens_from_data(
-            Path(data) if data else None, Path(verifier), extract.data_split, cfg.max_seq_len, opts,
-            extract.trust_remote_code,
-        )  # fmt: skip
+        tokens = _tokens_from_data(Path(data) if data else None, Path(verifier), cfg.max_seq_len, opts, extract)
     if verifier is None:
         raise UserError("--plan needs the verifier's config.json: give --verifier-path")
     if cfg.split_dir and micro_batches is None:  # training then holds out what stage 03 held out
