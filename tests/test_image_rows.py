@@ -202,8 +202,11 @@ class PixelSpy:
     def __init__(self, end: int):
         self.end, self.seen = end, []
 
+    def image_inputs(self, images, urls):  # as the transformers generator gives them
+        return images.model_inputs(urls, self.model)
+
     def generate(self, prompts, max_new, image_inputs=None):
-        self.seen.extend(image_inputs or [{}] * len(prompts))
+        self.seen.extend(x or {} for x in image_inputs or [None] * len(prompts))
         return [([ord("o"), ord("k"), self.end], "stop") for _ in prompts]
 
 
@@ -237,3 +240,52 @@ def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_veri
     out, rejects = regenerate_rows([(1, conv)], tok, PixelSpy(spy.end), cfg, images)
     assert out == [] and rejects == [{"row": 1, "reason": "turn 1: the rendering has 2 image placeholders "
                                       "for 1 images"}]  # fmt: skip
+
+
+class RequestSpy:
+    """A vLLM worker session that keeps each request and answers "ok" + end for every prompt."""
+
+    def __init__(self, end: int):
+        self.end, self.requests = end, []
+
+    def request(self, fields):
+        self.requests.append(fields)
+        n = len(fields["prompts"])
+        return {"outputs": [[ord("o"), ord("k"), self.end]] * n, "finish_reasons": ["stop"] * n}
+
+
+def test_stage00_vllm_engine_sends_each_prompt_its_images(tiny_vl_verifier, tmp_path):
+    """Stage 00 `--engine vllm` on img-001 and a text row: each request holds every prompt's images (data
+    URLs) beside its expanded ids and the id of the image tokens, every request asks for the same engine
+    (one that takes images, text prompts too), and the worker's side takes them: protocol.load_request
+    accepts the request and vllm_side/images gives vLLM one placeholder per image, the images in order."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import RegenerateConfig
+    from eagle3_pipeline.data.regenerate import VLLMGenerator, _conversation, end_token_ids, regenerate_rows
+    from eagle3_pipeline.vllm_side.images import request_prompts
+    from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    images = ImageTokens.of_verifier(tiny_vl_verifier, tok)
+    rows = _vl_rows()
+    convs = [(i, _conversation(RawRow(i, rows[i]), DATA, True, "")) for i in (0, 3)]
+    cfg = RegenerateConfig(max_new_tokens=8, max_seq_len=512, engine="vllm")
+    gen = VLLMGenerator(tiny_vl_verifier, cfg, end_token_ids(tiny_vl_verifier, tok))
+    gen.session = spy = RequestSpy(end_token_ids(tiny_vl_verifier, tok)[0])
+    urls = convs[1][1].images  # grid.png, tall.png as data URLs
+    out, rejects = regenerate_rows(convs, tok, gen, cfg, images)
+    assert not rejects and len(spy.requests) == 2  # both rows' first turns, then img-001's turn 3
+    first, second = spy.requests
+    assert first["images"] == [[], urls[:1]] and second["images"] == [urls]
+    assert first["image_token_id"] == second["image_token_id"] == images.pad_id
+    checked = []
+    for n, fields in enumerate(spy.requests):
+        path = tmp_path / f"request-{n}.json"
+        path.write_text(json.dumps({"dtype": "float32", **fields}))
+        checked.append(load_request(str(path)))
+    assert engine_key(checked[0]) == engine_key(checked[1]) and checked[0]["vision"] is True
+    sent = request_prompts(checked[1])[0]
+    assert sent["prompt_token_ids"].count(images.pad_id) == 2  # one placeholder per image, vLLM expands
+    assert [c["type"] for c in sent["multi_modal_data"]["vision_chunk"]] == ["image", "image"]
+    assert [image_runs(s["prompt_ids"], images.pad_id) for s in out[1]["token_samples"]] == [[6], [6, 2]]
