@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,26 @@ def test_the_vllm_prompt_of_an_expanded_image_prompt_has_one_placeholder_per_ima
     assert expanded_prompt_error(0, ids, ids, pad) is None
     served = [1, 2, *[pad] * 11, 3, *[pad] * 5, 4]  # e.g. sent expanded and expanded again
     assert "to [11, 5] tokens, the pipeline to [6, 3]" in expanded_prompt_error(0, ids, served, pad)
+
+
+def test_a_worker_request_with_images_is_checked_and_asks_for_an_engine_that_takes_them(tmp_path):
+    """protocol.load_request: images one list per prompt, the image token id given with them, and an
+    engine that takes images ("vision", by default where a prompt has one; an engine key of its own)."""
+    from eagle3_pipeline.vllm_side.protocol import RequestError, engine_key, load_request
+
+    url = _data_url(_png(28, 28))
+
+    def load(**fields):
+        path = tmp_path / "req.json"
+        path.write_text(json.dumps({"verifier": str(tmp_path), "prompts": [[1, 9, 2], [3]],
+                                    "max_new_tokens": 4, **fields}))  # fmt: skip
+        return load_request(str(path))
+
+    text, image = load(), load(images=[[url], []], image_token_id=9)
+    assert (text["vision"], image["vision"]) == (False, True)
+    assert engine_key(text) != engine_key(image) and engine_key(load(vision=True)) == engine_key(image)
+    for bad, why in (({"images": [[url]]}, "one list per prompt"),
+                     ({"images": [[url], []]}, "image_token_id"),
+                     ({"images": [[url], []], "image_token_id": 9, "vision": False}, "true when prompts")):
+        with pytest.raises(RequestError, match=why):
+            load(**bad)
