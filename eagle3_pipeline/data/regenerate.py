@@ -53,8 +53,6 @@ OUTPUT_NAME = "conversations.jsonl"
 # why a row gives no regenerated turn
 NO_PROMPTED_TURN = "no assistant turn after a prompt (an assistant turn that opens the row answers nothing)"
 NO_TURN_FITS = "no assistant turn whose prompt fits max_seq_len"
-# stage 00's vLLM worker takes token prompts only: the pixels would not reach the verifier
-VLLM_NO_IMAGES = "image rows are regenerated with --engine hf (this stage's vLLM worker takes no images)"
 
 
 def resolve_engine(name: str, vllm_python: str | None) -> str:
@@ -119,14 +117,14 @@ class HFGenerator:
     def generate(
         self, prompts: list[list[int]], max_new: list[int], image_inputs: list[dict[str, Any]] | None = None
     ) -> list[tuple[list[int], str]]:
-        """Each prompt's completion; `image_inputs[i]`: prompt i's pixel_values and image_grid_thw."""
+        """Each prompt's completion; `image_inputs[i]`: its pixel_values and image_grid_thw, or None."""
         import torch
         from transformers import GenerationConfig
 
         device = next(self.model.parameters()).device
         out = []
         for i, (prompt, n) in enumerate(zip(prompts, max_new)):
-            pixels = image_inputs[i] if image_inputs else {}
+            pixels = (image_inputs[i] if image_inputs else None) or {}
             sample = self.cfg.temperature > 0
             gen = GenerationConfig(
                 max_new_tokens=n,
@@ -146,6 +144,10 @@ class HFGenerator:
             out.append((completion, finish))
         return out
 
+    def image_inputs(self, images: ImageTokens, urls: list[str]) -> dict[str, Any]:
+        """What `generate` takes for a prompt's images: their pixels, in the model's dtype and device."""
+        return images.model_inputs(urls, self.model)
+
 
 class VLLMGenerator:
     """One vLLM worker session for the whole run: the verifier loads once."""
@@ -155,6 +157,7 @@ class VLLMGenerator:
 
         self.session = WorkerSession(cfg.vllm_python)
         self.verifier, self.cfg, self.stop_ids = verifier_path, cfg, stop_ids
+        self.vision = has_vision_tower(verifier_path)  # its engine takes images, from the first request
 
     def __enter__(self) -> VLLMGenerator:
         self.session.__enter__()
@@ -163,12 +166,25 @@ class VLLMGenerator:
     def __exit__(self, *exc: Any) -> None:
         self.session.__exit__(*exc)
 
-    def generate(self, prompts: list[list[int]], max_new: list[int]) -> list[tuple[list[int], str]]:
+    def image_inputs(self, images: ImageTokens, urls: list[str]) -> tuple[int, list[str]]:
+        """What `generate` takes for a prompt's images: the worker sends the data URLs to vLLM."""
+        return images.pad_id, urls
+
+    def generate(
+        self, prompts: list[list[int]], max_new: list[int], image_inputs: list[Any] | None = None
+    ) -> list[tuple[list[int], str]]:
+        """Each prompt's completion; `image_inputs[i]`: (the id of its image tokens, its images) or None."""
+        from eagle3_pipeline.vllm_side.vllm_engine import image_fields
+
         out: list[tuple[list[int], str]] = [([], "")] * len(prompts)
+        pad = next((x[0] for x in image_inputs or [] if x), None)
+        images = None if pad is None else (pad, [x[1] if x else [] for x in image_inputs or []])
         for n in sorted(set(max_new)):  # one request per distinct budget (usually one)
             idx = [i for i, m in enumerate(max_new) if m == n]
             res = self.session.request(
                 {
+                    **image_fields(images, idx),
+                    "vision": self.vision,  # one engine for text and image prompts
                     "verifier": str(self.verifier),
                     "draft": None,
                     "prompts": [prompts[i] for i in idx],
@@ -266,7 +282,7 @@ def regenerate_rows(
             pending.append(s)
             prompts.append(prompt)
             budgets.append(min(cfg.max_new_tokens, room))
-            pixels.append(images.model_inputs(urls, generator.model) if images and urls else {})
+            pixels.append(generator.image_inputs(images, urls) if images and urls else None)
         if not pending:
             break
         extra = {"image_inputs": pixels} if any(pixels) else {}  # text-only generators take no images
@@ -319,11 +335,7 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
     out_dir = out.out_dir
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path), trust_remote_code=cfg.trust_remote_code)
     engine = resolve_engine(cfg.engine, cfg.vllm_python)
-    # image rows go through the transformers generator only: the vLLM engine rejects them (reason below)
-    # without reading the checkpoint's image processor, so a text run of a vision checkpoint needs none
-    vision = has_vision_tower(verifier_path)
-    no_images_why = VLLM_NO_IMAGES if vision else NO_VISION_TOWER
-    images = ImageTokens.of_verifier(verifier_path, tokenizer) if vision and engine == "hf" else None
+    images = ImageTokens.of_verifier(verifier_path, tokenizer)  # None: image rows rejected, NO_VISION_TOWER
     stop_ids = end_token_ids(verifier_path, tokenizer)
     total = count_rows(data_path, cfg.data_split)
     max_positions = read_text_config(verifier_path).get("max_position_embeddings") or cfg.max_seq_len
@@ -363,7 +375,7 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         if todo:
             gen_cls = VLLMGenerator if engine == "vllm" else HFGenerator
             with gen_cls(verifier_path, cfg, stop_ids) as generator:
-                _run_parts(cfg, out_dir, blocks, todo, tokenizer, generator, (images, no_images_why))
+                _run_parts(cfg, out_dir, blocks, todo, tokenizer, generator, images)
         _finish(cfg, out, blocks, settings, total)
     return 0
 
@@ -394,18 +406,17 @@ def _run_parts(
     todo: list,
     tokenizer: Any,
     generator: Any,
-    vision: tuple[ImageTokens | None, str],
+    images: ImageTokens | None,
 ) -> None:
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="regenerate", unit="row")
     t0, done_rows, done_tokens = time.time(), 0, 0
-    images, no_images_why = vision
     data_path = Path(cfg.data_path)
     base_dir = data_path if data_path.is_dir() else data_path.parent  # relative image paths start here
     seen: dict[str, int] = {}  # row id -> row over the parts before: a duplicate is a reject, as in stage 01
     to_do, read_up_to = {n for n, _ in todo}, 0
 
     def unique(raw: RawRow) -> Conversation:
-        conv = _conversation(raw, base_dir, images is not None, no_images_why)
+        conv = _conversation(raw, base_dir, images is not None, NO_VISION_TOWER)
         if conv.row_id in seen:  # rejected before the verifier spends time on it
             raise RowRejected(f"duplicate id {conv.row_id!r} (first at row {seen[conv.row_id]})")
         seen[conv.row_id] = raw.index

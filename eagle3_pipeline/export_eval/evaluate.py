@@ -279,14 +279,11 @@ def _verifier_of(cfg: EvaluateConfig, draft_dir: Path, recorded: dict[str, Any])
 
 
 def _check_image_prompts(cfg: EvaluateConfig, sampling: Sampling, with_images: int) -> None:
-    """Prompts with images run in the greedy simulation only: the vLLM worker here sends token ids (no
-    pixels), and the sampled simulation's verify pass runs text forwards."""
-    if with_images and cfg.engine != "sim":
-        raise UserError(f"{cfg.data_path}: {with_images} prompts have images: evaluate them with "
-                        "--engine sim (this stage's vLLM worker sends no pixels)")  # fmt: skip
-    if with_images and not sampling.greedy:
+    """Sampled prompts with images run in vLLM only: the sampled simulation's verify pass runs text
+    forwards (vLLM's worker sends each prompt's images, vllm_side/images.py)."""
+    if with_images and not sampling.greedy and cfg.engine != "vllm":
         raise UserError(f"{cfg.data_path}: {with_images} prompts have images: the simulation with images is "
-                        "greedy only (--temperature 0)")  # fmt: skip
+                        "greedy only (--temperature 0, or --engine vllm)")  # fmt: skip
 
 
 def run(cfg: EvaluateConfig) -> int:
@@ -344,6 +341,7 @@ def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
             trust_remote_code=cfg.trust_remote_code,
             sampling=sampling,
             draft_sample_method=cfg.draft_sample_method,
+            images=(images[0].pad_id, images[1]) if images else None,
         )
         _log("vllm", result["vllm"])
     reference = None

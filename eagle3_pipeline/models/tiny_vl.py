@@ -115,6 +115,9 @@ def build_vl_verifier(out_dir: Path, text_arch: str = "kimi_mla", seed: int = 0)
     # as Kimi-K2.5's config: vLLM's chat path then hands image parts to the processor as `vision_chunk`
     # items, the one modality its Kimi-K2.5 processor takes
     config.use_unified_vision_chunk = True
+    # as Kimi-K2.5's config.json (transformers' Kimi_K25Config names it image_token_id): vLLM's EAGLE-3
+    # proposer reads this key of a Kimi-K2.5 verifier to start a draft beside it (llm_base_proposer.py)
+    config.media_placeholder_token_id = ids[MEDIA_PAD]
     config.save_pretrained(str(out_dir))
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
     state = {"language_model." + k: v.contiguous() for k, v in text_model.state_dict().items()}

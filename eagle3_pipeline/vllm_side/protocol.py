@@ -23,7 +23,7 @@ CLOSE = '{"close": true}'
 # The settings an engine is built from: a request with other values needs another engine
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
-               "engine_overrides", "draft_sample_method", "parallel_drafting")  # fmt: skip
+               "engine_overrides", "draft_sample_method", "parallel_drafting", "vision")  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -104,7 +104,25 @@ def load_request(path: str) -> dict:
         not isinstance(seeds, list) or len(seeds) != len(prompts) or not all(_is_int(x) for x in seeds)
     ):
         raise RequestError("seeds must be a list of ints, one per prompt")
+    _check_images(req, prompts)
     return req
+
+
+def _check_images(req: dict, prompts: list) -> None:
+    """"images": one list of data URLs per prompt (its images in order, each expanded in the prompt to a
+    run of "image_token_id"); "vision": the engine takes images (default: some prompt has one)."""
+    images = req.get("images")
+    if images is not None and (
+        not isinstance(images, list) or len(images) != len(prompts)
+        or not all(isinstance(x, list) and all(isinstance(u, str) for u in x) for x in images)
+    ):  # fmt: skip
+        raise RequestError("images must be a list of lists of image data URLs, one list per prompt")
+    any_image = any(images or [])
+    req["vision"] = req.get("vision", any_image)
+    if not isinstance(req["vision"], bool) or (any_image and not req["vision"]):
+        raise RequestError("vision must be true or false, and true when prompts have images")
+    if any_image and not (_is_int(req.get("image_token_id")) and req["image_token_id"] >= 0):
+        raise RequestError("image_token_id must be a non-negative int (an image's tokens) with images")
 
 
 def engine_key(req: dict) -> str:

@@ -104,6 +104,16 @@ def sampling_fields(sampling: Any, num_prompts: int, indices: list[int] | None =
     }
 
 
+def image_fields(images: tuple[int, list[list[str]]] | None, idx: list[int] | None = None) -> dict[str, Any]:
+    """The worker's image keys for (the id of an image's tokens, each request's images as data URLs), of
+    requests `idx` (default all): an engine that takes images, the same for every request of a run."""
+    if images is None:
+        return {}
+    pad_id, urls = images
+    chosen = urls if idx is None else [urls[i] for i in idx]
+    return {"vision": True, "image_token_id": pad_id, "images": chosen}
+
+
 def _worker_env() -> dict[str, str]:
     """The worker's environment: this package importable (this repository first on its path), local files
     only, the CPU build's KV-cache size unless set."""
@@ -273,10 +283,12 @@ def generate(
     trust_remote_code: bool = False,
     sampling: Any = None,
     draft_sample_method: str = "greedy",
+    images: tuple[int, list[list[str]]] | None = None,
 ) -> dict[str, Any]:
     """Generation in vLLM, with `draft` as EAGLE-3 speculator (or none); counters and outputs. Greedy, or
     `sampling` (acceptance.Sampling): request i seeded sampling.seed + i (vLLM 0.32 does not seed the
-    draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`).
+    draws of a "probabilistic" draft, `compute_probs_and_sample_next_token`). `images`: (the id of an
+    image's tokens, each request's images as data URLs), each image expanded in its prompt.
 
     vLLM's spec-decode counters are totals over a generate call, with nothing per request or per step, so
     acceptance by context comes from one call per prompt-length bucket (acceptance.context_bucket of the
@@ -290,7 +302,8 @@ def generate(
     with WorkerSession(python) as session:
         parts = [
             (bucket, idx, session.request({**fields, "prompts": [prompts[i] for i in idx],
-                                           **sampling_fields(sampling, len(idx), idx)}))
+                                           **sampling_fields(sampling, len(idx), idx),
+                                           **image_fields(images, idx)}))
             for bucket, idx in groups
         ]  # fmt: skip
     return merge_bucket_results(len(prompts), parts)

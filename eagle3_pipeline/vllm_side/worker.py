@@ -22,7 +22,11 @@ Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens
 "ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
 (default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1), "seeds"
 (one sampling seed per prompt; default: "seed" for every prompt); "parallel_drafting" (default false:
-vLLM's speculative-config key, all k drafts in one forward, for a draft exported with mask_token_id).
+vLLM's speculative-config key, all k drafts in one forward, for a draft exported with mask_token_id);
+images (Kimi-K2.5): "images" (one list of data URLs per prompt, each image a run of "image_token_id" in
+the prompt, sent to vLLM as vllm_side/images.py says; the answer is refused unless vLLM's expansion gives
+the same ids), "vision" (default: some prompt has an image; the engine then loads the tokenizer, which
+vLLM's image processor needs).
 
 Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
 extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
@@ -53,7 +57,7 @@ import sys
 import threading
 import time
 
-from eagle3_pipeline.vllm_side import cpu
+from eagle3_pipeline.vllm_side import cpu, images
 from eagle3_pipeline.vllm_side.protocol import (
     CLOSE, MARK, RequestError, engine_key, load_request, write_json_atomic,
 )
@@ -205,6 +209,8 @@ def engine_kwargs(req: dict) -> dict:
         tensor_parallel_size=req.get("tensor_parallel_size") or 1,
         trust_remote_code=req.get("trust_remote_code", False),
     )
+    if req["vision"]:  # vLLM builds Kimi-K2.5's image processor from the tokenizer (none: text-only)
+        kwargs["skip_tokenizer_init"] = False
     if draft is not None:
         kwargs["speculative_config"] = {
             "method": "eagle3",
@@ -255,9 +261,7 @@ def _shutdown(llm) -> None:
 def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     import vllm
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    prompts = req["prompts"]
     n_new = req["max_new_tokens"]
     k = req["num_speculative_tokens"]
 
@@ -280,9 +284,10 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
         params = [params_of(s) for s in req["seeds"]]
     before = snapshot_counters(llm)
     t0 = time.perf_counter()
-    results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    results = llm.generate(images.request_prompts(req), params, use_tqdm=False)
     generate_s = time.perf_counter() - t0
     after = snapshot_counters(llm)
+    images.check_served_prompts(req, [r.prompt_token_ids for r in results])
 
     outputs = [list(r.outputs[0].token_ids) for r in results]
     out = {"outputs": outputs, "finish_reasons": [r.outputs[0].finish_reason for r in results]}
