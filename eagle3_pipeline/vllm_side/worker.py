@@ -27,6 +27,8 @@ vLLM's speculative-config key, all k drafts in one forward, for a draft exported
 Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
 extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
 (hidden_states [tokens, layers, hidden], ascending layer order; token_ids), complete when answered.
+With "image_pad_id" (the verifier's <|media_pad|> id) and "images" (per prompt, the data URLs of the
+images its runs of that id stand for) the verifier's forward is given the pixels (images.py).
 
 OUT.json (written atomically):
     {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
@@ -54,6 +56,7 @@ import threading
 import time
 
 from eagle3_pipeline.vllm_side import cpu
+from eagle3_pipeline.vllm_side.images import expanded_prompt_error, vision_chunk_inputs
 from eagle3_pipeline.vllm_side.protocol import (
     CLOSE, MARK, RequestError, engine_key, load_request, write_json_atomic,
 )
@@ -200,7 +203,9 @@ def engine_kwargs(req: dict) -> dict:
         seed=0 if seed is None else seed,
         max_model_len=max_model_len,
         enforce_eager=req.get("enforce_eager", True),  # True: no torch.compile, fastest CPU start
-        skip_tokenizer_init=True,  # token ids in, token ids out
+        # token ids in, token ids out; vLLM builds its multimodal processor from the tokenizer (without it
+        # a vision checkpoint runs text-only: "Multi-modal processor not available for text-only models")
+        skip_tokenizer_init=req.get("image_pad_id") is None,
         disable_log_stats=False,  # required for llm.get_metrics()
         tensor_parallel_size=req.get("tensor_parallel_size") or 1,
         trust_remote_code=req.get("trust_remote_code", False),
@@ -312,11 +317,15 @@ def _extract(llm, req: dict, params, startup_s: float) -> dict:
     for name in os.listdir(storage):  # left by a client that died before deleting them
         os.unlink(os.path.join(storage, name))
     t0 = time.perf_counter()
-    results = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params, use_tqdm=False
-    )
+    images = req.get("images") or [[] for _ in req["prompts"]]
+    pad = req.get("image_pad_id")
+    prompts = [vision_chunk_inputs(p, urls, pad) for p, urls in zip(req["prompts"], images, strict=True)]
+    results = llm.generate([TokensPrompt(**p) for p in prompts], params, use_tqdm=False)
     paths = []
-    for r in results:
+    for i, r in enumerate(results):
+        error = expanded_prompt_error(i, req["prompts"][i], r.prompt_token_ids, pad) if images[i] else None
+        if error is not None:
+            raise RequestError(error)
         path = (r.kv_transfer_params or {}).get("hidden_states_path")
         if path is None:
             raise RuntimeError(f"request {r.request_id}: vLLM returned no hidden_states_path")
