@@ -167,29 +167,28 @@ def test_states_at_image_positions_come_from_a_forward_that_saw_the_image(vl_run
 
 
 def test_stage01_takes_images_only_where_its_forward_sees_the_pixels(tiny_verifier, tiny_vl_verifier):
-    """Image rows reach the verifier in stage 01's transformers forward only: with --engine vllm or token
-    shards (states from vLLM later) they are rejected naming --engine hf; a text-only verifier rejects
-    them naming its missing vision tower."""
+    """Image rows reach the verifier in stage 01's forward with either engine (vLLM's is given the pixels
+    too: tests/test_vllm_extract.py); token shards (states from vLLM online, token ids only) reject them
+    naming the storage dtype; a text-only verifier rejects them naming its missing vision tower."""
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.data.config import ExtractConfig
-    from eagle3_pipeline.data.extract_render import IMAGES_NEED_HF, extract_images
+    from eagle3_pipeline.data.extract_render import IMAGES_NEED_STATES, extract_images
     from eagle3_pipeline.data.samples import SampleOptions, row_samples
 
     tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
-    hf = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf")
-    assert extract_images(hf, tok)[0] is not None
-    assert extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="vllm"), tok) == (
-        None, IMAGES_NEED_HF)  # fmt: skip
+    for engine in ("hf", "vllm"):
+        got = extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine=engine), tok)
+        assert got[0] is not None and got[0].pad_id == tok.convert_tokens_to_ids("<|media_pad|>"), engine
     tokens_only = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf", storage_dtype="none")
-    assert extract_images(tokens_only, tok)[1] == IMAGES_NEED_HF
+    assert extract_images(tokens_only, tok) == (None, IMAGES_NEED_STATES)
     text_tok = AutoTokenizer.from_pretrained(str(tiny_verifier))
     text_only = ExtractConfig(verifier_path=str(tiny_verifier))
     assert extract_images(text_only, text_tok) == (None, NO_VISION_TOWER)
     row = _vl_rows()[1]
-    with pytest.raises(RowRejected, match="--engine hf"):
-        row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_HF, base_dir=DATA))
-    images = extract_images(hf, tok)[0]
+    with pytest.raises(RowRejected, match="--storage-dtype other than none"):
+        row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_STATES, base_dir=DATA))
+    images = extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="vllm"), tok)[0]
     (smp,) = row_samples(row, 1, tok, SampleOptions(512, images=images, base_dir=DATA))
     assert image_runs(smp.input_ids, images.pad_id) == [2] and len(smp.images) == 1
 
@@ -237,3 +236,28 @@ def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_veri
     out, rejects = regenerate_rows([(1, conv)], tok, PixelSpy(spy.end), cfg, images)
     assert out == [] and rejects == [{"row": 1, "reason": "turn 1: the rendering has 2 image placeholders "
                                       "for 1 images"}]  # fmt: skip
+
+
+def test_an_extract_request_carries_each_prompts_images_beside_the_placeholder_id(tmp_path, tiny_vl_verifier):
+    """The worker's request schema (vllm_side/protocol.py): images are one data-URL list per prompt and need
+    the placeholder id, which is an engine setting (that engine keeps the tokenizer vLLM's multimodal
+    processor is built from)."""
+    from eagle3_pipeline.vllm_side.protocol import RequestError, engine_key, load_request
+
+    def request(**extra) -> dict:
+        req = {"task": "extract", "verifier": str(tiny_vl_verifier), "prompts": [[1, 9, 2], [3]],
+               "layer_ids": [2, 8], "storage_path": str(tmp_path / "s"), "max_model_len": 64, **extra}
+        (tmp_path / "req.json").write_text(json.dumps(req))
+        return load_request(str(tmp_path / "req.json"))  # fmt: skip
+
+    url = "data:image/png;base64,AAAA"
+    ok = request(images=[[url], []], image_pad_id=9)
+    assert ok["images"] == [[url], []] and engine_key(ok) != engine_key(request())
+    for extra, why in (
+        ({"images": [[url], []]}, "a request with images needs image_pad_id"),
+        ({"images": [[url]], "image_pad_id": 9}, "one per prompt"),
+        ({"images": [[url], [7]], "image_pad_id": 9}, "one per prompt"),
+        ({"image_pad_id": -1}, "image_pad_id must be a non-negative int"),
+    ):
+        with pytest.raises(RequestError, match=why):
+            request(**extra)

@@ -1,7 +1,9 @@
 """Stage 01 with --engine vllm on a tiny verifier with Kimi-K2.5's MLA latent: the states equal the hf
 engine's, a negative control shows the comparison catches silently wrong states, a SIGKILLed run reruns
-to the same bytes, and a shard loop against one --serve server loads the verifier once. A vLLM worker
-session ends when its client closes it, whatever processes the client forked meanwhile.
+to the same bytes, and a shard loop against one --serve server loads the verifier once. On the tiny
+Kimi-K2.5 with its vision tower, text and image rows give the hf engine's states too: vLLM's verifier forward
+is given the pixels. A vLLM worker session ends when its client closes it, whatever processes the client
+forked meanwhile.
 
 Needs the environment made by scripts/setup_vllm_cpu.sh, like the vLLM tier (skipped with the reason, or
 failing under EAGLE3_REQUIRE_VLLM=1 as in CI).
@@ -9,6 +11,7 @@ failing under EAGLE3_REQUIRE_VLLM=1 as in CI).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +22,7 @@ import pytest
 import torch
 from conftest import (
     CONVERSATIONS,
+    DATA,
     extract_args,
     popen_script,
     run_killed_after,
@@ -108,6 +112,52 @@ def test_vllm_states_equal_hf_states_on_the_mla_verifier(hf_states, vllm_run):
     worst = _worst_relative_diff(_samples(hf_states), _samples(out))
     print(f"\nvLLM vs hf states (tiny MLA, fp32): max relative diff {worst:.2e}")
     assert worst <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def image_rows_both_engines(tiny_vl_verifier, tmp_path_factory) -> tuple[dict, dict, Path]:
+    """(hf samples, vLLM samples, the vLLM shard) of stage 01 on the tiny Kimi-K2.5 over text rows, image
+    rows (one with two images) and three bad image rows: one vLLM engine start."""
+    root = tmp_path_factory.mktemp("vl")
+    args = ["--max-seq-len", "512", "--samples-per-file", "5"]
+    run_script(*extract_args(tiny_vl_verifier, DATA / "conversations_vl.jsonl", root / "hf"), *args)
+    run_script(*extract_args(tiny_vl_verifier, DATA / "conversations_vl.jsonl", root / "vllm"), *args,
+               "--engine", "vllm", timeout=1200)  # fmt: skip
+    (shard,) = (root / "vllm").glob("rows_*")
+    return _samples(root / "hf"), _samples(root / "vllm"), shard
+
+
+def test_vllm_states_of_image_rows_equal_hf_states_given_the_pixels(
+    tiny_vl_verifier, image_rows_both_engines
+):
+    """Every sample, text and image rows, every aux layer and the pre-norm output: vLLM's states equal the
+    hf engine's (same ids and loss masks, image positions out of the loss); at image positions they
+    differ from a text-only forward over the same ids, so the pixels reached vLLM's verifier."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.models.tiny_vl import load_vl
+    from eagle3_pipeline.models.vision import MEDIA_PAD, draft_input_id_at_image
+
+    hf, got, shard = image_rows_both_engines
+    tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
+    pad = draft_input_id_at_image(tok.convert_tokens_to_ids(MEDIA_PAD))
+    with_images = {sid for sid, smp in hf.items() if (smp["input_ids"] == pad).any()}
+    assert sorted(hf) == ["conv-000", "conv-002", "conv-004", "img-000", "img-001", "img-002", "img-003"]
+    assert with_images == {"img-000", "img-001", "img-002", "img-003"}
+    worst = _worst_relative_diff(hf, got)
+    print(f"\nvLLM vs hf states (tiny Kimi-K2.5, text and image rows, fp32): max relative diff {worst:.2e}")
+    assert worst <= TOLERANCE
+    aux_ids = json.loads((shard / "run.json").read_text())["aux_layer_ids"]
+    model = load_vl(tiny_vl_verifier)
+    for sid in sorted(with_images):
+        ids, aux = got[sid]["input_ids"].long(), got[sid]["aux_hidden_states"].float()
+        at = (ids == pad).nonzero().flatten()
+        assert not got[sid]["loss_mask"][at].any()
+        with torch.no_grad():
+            blind = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        for j, layer in enumerate(aux_ids):
+            scale = blind[layer][0][at].norm(dim=-1).mean()
+            assert (aux[at, j] - blind[layer][0][at]).norm(dim=-1).min() > 0.1 * scale, (sid, layer)
 
 
 def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, vllm_worker, tmp_path):
