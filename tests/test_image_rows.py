@@ -261,3 +261,13 @@ def test_an_extract_request_carries_each_prompts_images_beside_the_placeholder_i
     ):
         with pytest.raises(RequestError, match=why):
             request(**extra)
+
+
+def test_an_undecodable_image_is_rejected_with_the_same_reason_in_every_run():
+    """Pillow's message names the in-memory stream by its address; the reason (rejects.jsonl, compared byte
+    for byte across reruns and engines) must not."""
+    from eagle3_pipeline.data.images import ImageRejected, checked_image
+
+    with pytest.raises(ImageRejected) as caught:
+        checked_image(b"not an image")
+    assert str(caught.value) == "image cannot be decoded (UnidentifiedImageError: cannot identify image file)"

@@ -109,8 +109,8 @@ def load_request(path: str) -> dict:
 
 
 def _check_images(req: dict, prompts: list) -> None:
-    """"images": one list of data URLs per prompt (the images its expanded runs of "image_pad_id" hold,
-    in order); the engine of a request with "image_pad_id" loads the verifier's multimodal processor."""
+    """The "images" key: one list of data URLs per prompt (the images its expanded runs of "image_pad_id"
+    hold, in order); the engine of a request with "image_pad_id" loads the verifier's multimodal processor."""
     pad, images = req.get("image_pad_id"), req.get("images")
     if pad is not None and (not _is_int(pad) or pad < 0):
         raise RequestError("image_pad_id must be a non-negative int (the verifier's <|media_pad|> id)")
