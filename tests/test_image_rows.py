@@ -238,29 +238,29 @@ def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_veri
                                       "for 1 images"}]  # fmt: skip
 
 
-def test_an_extract_request_carries_each_prompts_images_beside_the_placeholder_id(tmp_path, tiny_vl_verifier):
-    """The worker's request schema (vllm_side/protocol.py): images are one data-URL list per prompt and need
-    the placeholder id, which is an engine setting (that engine keeps the tokenizer vLLM's multimodal
-    processor is built from)."""
-    from eagle3_pipeline.vllm_side.protocol import RequestError, engine_key, load_request
+def test_stage01s_vllm_requests_keep_one_engine_whichever_parts_hold_images(tmp_path, tiny_vl_verifier):
+    """Stage 01's vLLM engine fields for a vision verifier ask for an engine that takes images from the
+    start (the engine a --serve server or the first part starts): a part with images and a part without
+    are valid worker requests with the same engine key, so no part restarts the engine."""
+    import torch
 
-    def request(**extra) -> dict:
-        req = {"task": "extract", "verifier": str(tiny_vl_verifier), "prompts": [[1, 9, 2], [3]],
-               "layer_ids": [2, 8], "storage_path": str(tmp_path / "s"), "max_model_len": 64, **extra}
-        (tmp_path / "req.json").write_text(json.dumps(req))
-        return load_request(str(tmp_path / "req.json"))  # fmt: skip
+    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.vllm_side.extract_vllm import engine_fields
+    from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
+
+    cfg = ExtractConfig(verifier_path=str(tiny_vl_verifier), out_dir=str(tmp_path), max_seq_len=512)
+    fields = {**engine_fields(cfg, [2, 4, 5], 8, torch.float32, 9), "storage_path": str(tmp_path / "s")}
+    assert (fields["vision"], fields["image_token_id"]) == (True, 9)
+    text_fields = engine_fields(cfg, [2, 4, 5], 8, torch.float32)
+    assert (text_fields["vision"], text_fields["image_token_id"]) == (False, None)
+
+    def checked(**extra) -> dict:
+        (tmp_path / "req.json").write_text(json.dumps({**fields, **extra}))
+        return load_request(str(tmp_path / "req.json"))
 
     url = "data:image/png;base64,AAAA"
-    ok = request(images=[[url], []], image_pad_id=9)
-    assert ok["images"] == [[url], []] and engine_key(ok) != engine_key(request())
-    for extra, why in (
-        ({"images": [[url], []]}, "a request with images needs image_pad_id"),
-        ({"images": [[url]], "image_pad_id": 9}, "one per prompt"),
-        ({"images": [[url], [7]], "image_pad_id": 9}, "one per prompt"),
-        ({"image_pad_id": -1}, "image_pad_id must be a non-negative int"),
-    ):
-        with pytest.raises(RequestError, match=why):
-            request(**extra)
+    with_images = checked(prompts=[[1, 9, 9, 2], [3]], images=[[url], []])
+    assert engine_key(with_images) == engine_key(checked(prompts=[[3]])) == engine_key(checked(prompts=None))
 
 
 def test_an_undecodable_image_is_rejected_with_the_same_reason_in_every_run():

@@ -37,7 +37,7 @@ log = logging.getLogger("eagle3.extract")
 
 SERVER_FILE = "vllm-server.json"  # in out_dir, while a --serve server runs
 # what a client's run must share with the server's engine (else its states would not be this config's)
-MATCHED = ("verifier", "layer_ids", "dtype", "max_model_len", "trust_remote_code", "image_pad_id")
+MATCHED = ("verifier", "layer_ids", "dtype", "max_model_len", "trust_remote_code", "image_token_id")
 
 
 def layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
@@ -49,7 +49,7 @@ def layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
 def engine_fields(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype,
                   image_pad_id: int | None = None) -> dict:  # fmt: skip
     """The engine's request fields; `image_pad_id`: the verifier's <|media_pad|> id where its image rows
-    are taken (the engine then gives the verifier their pixels)."""
+    are taken (an engine that takes images, for every part: one engine whichever parts hold images)."""
     from eagle3_pipeline.models.verifier import read_text_config
 
     positions = read_text_config(Path(cfg.verifier_path)).get("max_position_embeddings")
@@ -67,7 +67,8 @@ def engine_fields(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype
         "max_model_len": cfg.max_seq_len + 1,  # a sample and the one token generated after it
         "trust_remote_code": cfg.trust_remote_code,
         "tensor_parallel_size": max(torch.cuda.device_count(), 1),
-        "image_pad_id": image_pad_id,
+        "vision": image_pad_id is not None,
+        "image_token_id": image_pad_id,
     }
 
 

@@ -71,3 +71,17 @@ def expanded_prompt_error(i: int, sent: list[int], served: list[int] | None, pad
     ours, theirs = collapse_image_runs(list(sent), pad_id)[1], collapse_image_runs(list(served), pad_id)[1]
     return (f"prompt {i}: vLLM expanded its images to {theirs} tokens, the pipeline to {ours} (the "
             "image processor's settings differ from the verifier's preprocessor_config.json?)")  # fmt: skip
+
+
+def request_prompts(req: dict[str, Any]) -> list[dict[str, Any]]:
+    """A checked request's prompts as vLLM takes them (protocol.load_request: "images", "image_token_id")."""
+    urls = req.get("images") or [[] for _ in req["prompts"]]
+    return [vision_chunk_inputs(p, u, req.get("image_token_id", -1)) for p, u in zip(req["prompts"], urls)]
+
+
+def check_served_prompts(req: dict[str, Any], served: list[list[int] | None]) -> None:
+    """RequestError unless vLLM's prompt ids (its expansion of the images) are the request's."""
+    for i, (sent, got) in enumerate(zip(req["prompts"], served, strict=True)):
+        why = expanded_prompt_error(i, sent, got, req.get("image_token_id", -1))
+        if why is not None:
+            raise RequestError(why)

@@ -23,7 +23,7 @@ CLOSE = '{"close": true}'
 # The settings an engine is built from: a request with other values needs another engine
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
-               "engine_overrides", "draft_sample_method", "parallel_drafting", "image_pad_id")  # fmt: skip
+               "engine_overrides", "draft_sample_method", "parallel_drafting", "vision")  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -99,29 +99,30 @@ def load_request(path: str) -> dict:
             raise RequestError(f"{key} must be a number")
     if req.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
         raise RequestError("draft_sample_method must be 'greedy' or 'probabilistic'")
-    _check_images(req, prompts)
     seeds = req.get("seeds")
     if seeds is not None and (
         not isinstance(seeds, list) or len(seeds) != len(prompts) or not all(_is_int(x) for x in seeds)
     ):
         raise RequestError("seeds must be a list of ints, one per prompt")
+    _check_images(req, prompts)
     return req
 
 
 def _check_images(req: dict, prompts: list) -> None:
-    """The "images" key: one list of data URLs per prompt (the images its expanded runs of "image_pad_id"
-    hold, in order); the engine of a request with "image_pad_id" loads the verifier's multimodal processor."""
-    pad, images = req.get("image_pad_id"), req.get("images")
-    if pad is not None and (not _is_int(pad) or pad < 0):
-        raise RequestError("image_pad_id must be a non-negative int (the verifier's <|media_pad|> id)")
-    if images is None:
-        return
-    if not isinstance(images, list) or len(images) != len(prompts) or not all(
-        isinstance(urls, list) and all(isinstance(u, str) for u in urls) for urls in images
-    ):
-        raise RequestError("images must be a list of data-URL lists, one per prompt")
-    if pad is None and any(images):
-        raise RequestError("a request with images needs image_pad_id")
+    """"images": one list of data URLs per prompt (its images in order, each expanded in the prompt to a
+    run of "image_token_id"); "vision": the engine takes images (default: some prompt has one)."""
+    images = req.get("images")
+    if images is not None and (
+        not isinstance(images, list) or len(images) != len(prompts)
+        or not all(isinstance(x, list) and all(isinstance(u, str) for u in x) for x in images)
+    ):  # fmt: skip
+        raise RequestError("images must be a list of lists of image data URLs, one list per prompt")
+    any_image = any(images or [])
+    req["vision"] = req.get("vision", any_image)
+    if not isinstance(req["vision"], bool) or (any_image and not req["vision"]):
+        raise RequestError("vision must be true or false, and true when prompts have images")
+    if any_image and not (_is_int(req.get("image_token_id")) and req["image_token_id"] >= 0):
+        raise RequestError("image_token_id must be a non-negative int (an image's tokens) with images")
 
 
 def engine_key(req: dict) -> str:

@@ -22,13 +22,16 @@ Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens
 "ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
 (default []), "temperature" (default 0: greedy), "top_p" (default 1), "top_k" (default -1), "seeds"
 (one sampling seed per prompt; default: "seed" for every prompt); "parallel_drafting" (default false:
-vLLM's speculative-config key, all k drafts in one forward, for a draft exported with mask_token_id).
+vLLM's speculative-config key, all k drafts in one forward, for a draft exported with mask_token_id);
+images (Kimi-K2.5): "images" (one list of data URLs per prompt, each image a run of "image_token_id" in
+the prompt, sent to vLLM as vllm_side/images.py says; the answer is refused unless vLLM's expansion gives
+the same ids), "vision" (default: some prompt has an image; the engine then loads the tokenizer, which
+vLLM's image processor needs).
 
 Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
 extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
-(hidden_states [tokens, layers, hidden], ascending layer order; token_ids), complete when answered.
-With "image_pad_id" (the verifier's <|media_pad|> id) and "images" (per prompt, the data URLs of the
-images its runs of that id stand for) the verifier's forward is given the pixels (images.py).
+(hidden_states [tokens, layers, hidden], ascending layer order; token_ids), complete when answered;
+with images, from the verifier's forward given their pixels.
 
 OUT.json (written atomically):
     {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
@@ -55,8 +58,7 @@ import sys
 import threading
 import time
 
-from eagle3_pipeline.vllm_side import cpu
-from eagle3_pipeline.vllm_side.images import expanded_prompt_error, vision_chunk_inputs
+from eagle3_pipeline.vllm_side import cpu, images
 from eagle3_pipeline.vllm_side.protocol import (
     CLOSE, MARK, RequestError, engine_key, load_request, write_json_atomic,
 )
@@ -203,13 +205,13 @@ def engine_kwargs(req: dict) -> dict:
         seed=0 if seed is None else seed,
         max_model_len=max_model_len,
         enforce_eager=req.get("enforce_eager", True),  # True: no torch.compile, fastest CPU start
-        # token ids in, token ids out; vLLM builds its multimodal processor from the tokenizer (without it
-        # a vision checkpoint runs text-only: "Multi-modal processor not available for text-only models")
-        skip_tokenizer_init=req.get("image_pad_id") is None,
+        skip_tokenizer_init=True,  # token ids in, token ids out
         disable_log_stats=False,  # required for llm.get_metrics()
         tensor_parallel_size=req.get("tensor_parallel_size") or 1,
         trust_remote_code=req.get("trust_remote_code", False),
     )
+    if req["vision"]:  # vLLM builds Kimi-K2.5's image processor from the tokenizer (none: text-only)
+        kwargs["skip_tokenizer_init"] = False
     if draft is not None:
         kwargs["speculative_config"] = {
             "method": "eagle3",
@@ -260,9 +262,7 @@ def _shutdown(llm) -> None:
 def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
     import vllm
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    prompts = req["prompts"]
     n_new = req["max_new_tokens"]
     k = req["num_speculative_tokens"]
 
@@ -285,9 +285,10 @@ def _generate(llm, req: dict, startup_s: float, seed: int) -> dict:
         params = [params_of(s) for s in req["seeds"]]
     before = snapshot_counters(llm)
     t0 = time.perf_counter()
-    results = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    results = llm.generate(images.request_prompts(req), params, use_tqdm=False)
     generate_s = time.perf_counter() - t0
     after = snapshot_counters(llm)
+    images.check_served_prompts(req, [r.prompt_token_ids for r in results])
 
     outputs = [list(r.outputs[0].token_ids) for r in results]
     out = {"outputs": outputs, "finish_reasons": [r.outputs[0].finish_reason for r in results]}
@@ -308,7 +309,6 @@ def _extract(llm, req: dict, params, startup_s: float) -> dict:
     import fcntl
 
     import vllm
-    from vllm.inputs import TokensPrompt
 
     if not req["prompts"]:
         raise RequestError("an extract request needs prompts")
@@ -317,15 +317,10 @@ def _extract(llm, req: dict, params, startup_s: float) -> dict:
     for name in os.listdir(storage):  # left by a client that died before deleting them
         os.unlink(os.path.join(storage, name))
     t0 = time.perf_counter()
-    images = req.get("images") or [[] for _ in req["prompts"]]
-    pad = req.get("image_pad_id")
-    prompts = [vision_chunk_inputs(p, urls, pad) for p, urls in zip(req["prompts"], images, strict=True)]
-    results = llm.generate([TokensPrompt(**p) for p in prompts], params, use_tqdm=False)
+    results = llm.generate(images.request_prompts(req), params, use_tqdm=False)  # the pixels too
+    images.check_served_prompts(req, [r.prompt_token_ids for r in results])
     paths = []
-    for i, r in enumerate(results):
-        error = expanded_prompt_error(i, req["prompts"][i], r.prompt_token_ids, pad) if images[i] else None
-        if error is not None:
-            raise RequestError(error)
+    for r in results:
         path = (r.kv_transfer_params or {}).get("hidden_states_path")
         if path is None:
             raise RuntimeError(f"request {r.request_id}: vLLM returned no hidden_states_path")
