@@ -47,6 +47,41 @@ def test_resumable_outputs_pin_the_image_processor_of_a_vision_verifier(tiny_ver
     assert pinned["patch_size"] == 14 and "in_patch_limit" in pinned
 
 
+def test_stage01s_vllm_requests_keep_one_engine_whichever_parts_hold_images(tmp_path, tiny_vl_verifier):
+    """Stage 01's vLLM engine fields for a vision verifier ask for an engine that takes images from the
+    start (the engine a --serve server or the first part starts): a part with images and a part without
+    are valid worker requests with the same engine key, so no part restarts the engine."""
+    import torch
+
+    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.vllm_side.extract_vllm import engine_fields
+    from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
+
+    cfg = ExtractConfig(verifier_path=str(tiny_vl_verifier), out_dir=str(tmp_path), max_seq_len=512)
+    fields = {**engine_fields(cfg, [2, 4, 5], 8, torch.float32, 9), "storage_path": str(tmp_path / "s")}
+    assert (fields["vision"], fields["image_token_id"]) == (True, 9)
+    text_fields = engine_fields(cfg, [2, 4, 5], 8, torch.float32)
+    assert (text_fields["vision"], text_fields["image_token_id"]) == (False, None)
+
+    def checked(**extra) -> dict:
+        (tmp_path / "req.json").write_text(json.dumps({**fields, **extra}))
+        return load_request(str(tmp_path / "req.json"))
+
+    url = "data:image/png;base64,AAAA"
+    with_images = checked(prompts=[[1, 9, 9, 2], [3]], images=[[url], []])
+    assert engine_key(with_images) == engine_key(checked(prompts=[[3]])) == engine_key(checked(prompts=None))
+
+
+def test_an_undecodable_image_is_rejected_with_the_same_reason_in_every_run():
+    """Pillow's message names the in-memory stream by its address; the reason (rejects.jsonl, compared byte
+    for byte across reruns and engines) must not."""
+    from eagle3_pipeline.data.images import ImageRejected, checked_image
+
+    with pytest.raises(ImageRejected) as caught:
+        checked_image(b"not an image")
+    assert str(caught.value) == "image cannot be decoded (UnidentifiedImageError: cannot identify image file)"
+
+
 def test_image_runs_count_each_image_apart():
     assert image_runs([1, 9, 9, 2, 3, 9, 4, 9, 9, 9], 9) == [2, 1, 3]
     assert image_runs([], 9) == []
@@ -236,38 +271,3 @@ def test_stage00_gives_each_turn_the_pixels_of_the_images_before_it(tiny_vl_veri
     out, rejects = regenerate_rows([(1, conv)], tok, PixelSpy(spy.end), cfg, images)
     assert out == [] and rejects == [{"row": 1, "reason": "turn 1: the rendering has 2 image placeholders "
                                       "for 1 images"}]  # fmt: skip
-
-
-def test_stage01s_vllm_requests_keep_one_engine_whichever_parts_hold_images(tmp_path, tiny_vl_verifier):
-    """Stage 01's vLLM engine fields for a vision verifier ask for an engine that takes images from the
-    start (the engine a --serve server or the first part starts): a part with images and a part without
-    are valid worker requests with the same engine key, so no part restarts the engine."""
-    import torch
-
-    from eagle3_pipeline.data.config import ExtractConfig
-    from eagle3_pipeline.vllm_side.extract_vllm import engine_fields
-    from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
-
-    cfg = ExtractConfig(verifier_path=str(tiny_vl_verifier), out_dir=str(tmp_path), max_seq_len=512)
-    fields = {**engine_fields(cfg, [2, 4, 5], 8, torch.float32, 9), "storage_path": str(tmp_path / "s")}
-    assert (fields["vision"], fields["image_token_id"]) == (True, 9)
-    text_fields = engine_fields(cfg, [2, 4, 5], 8, torch.float32)
-    assert (text_fields["vision"], text_fields["image_token_id"]) == (False, None)
-
-    def checked(**extra) -> dict:
-        (tmp_path / "req.json").write_text(json.dumps({**fields, **extra}))
-        return load_request(str(tmp_path / "req.json"))
-
-    url = "data:image/png;base64,AAAA"
-    with_images = checked(prompts=[[1, 9, 9, 2], [3]], images=[[url], []])
-    assert engine_key(with_images) == engine_key(checked(prompts=[[3]])) == engine_key(checked(prompts=None))
-
-
-def test_an_undecodable_image_is_rejected_with_the_same_reason_in_every_run():
-    """Pillow's message names the in-memory stream by its address; the reason (rejects.jsonl, compared byte
-    for byte across reruns and engines) must not."""
-    from eagle3_pipeline.data.images import ImageRejected, checked_image
-
-    with pytest.raises(ImageRejected) as caught:
-        checked_image(b"not an image")
-    assert str(caught.value) == "image cannot be decoded (UnidentifiedImageError: cannot identify image file)"

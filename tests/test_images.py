@@ -205,31 +205,3 @@ def test_the_draft_is_fed_the_placeholder_embedding_at_image_positions(tiny_vl_v
     placeholder = model.embed_tokens.weight[pad]
     assert torch.equal(fed[0][0, at], placeholder.expand(len(at), -1))
     assert not torch.equal(fed[0][0, at[0] - 1], placeholder)
-
-
-def test_the_vllm_prompt_of_an_expanded_image_prompt_has_one_placeholder_per_image():
-    """vllm_side/images.vision_chunk_inputs: each run of `<|media_pad|>` (the pipeline's expansion) goes to
-    vLLM as one placeholder, which vLLM's processor expands again; the images, in order, as `vision_chunk`
-    items with the pixels the simulation decodes. A run count that is not the image count is refused, and a
-    served expansion other than ours is named with both token counts."""
-    import numpy as np
-
-    from eagle3_pipeline.vllm_side.images import expanded_prompt_error, vision_chunk_inputs
-    from eagle3_pipeline.vllm_side.protocol import RequestError
-
-    pad, urls = 9, [_data_url(_png(84, 56, seed=1)), _data_url(_png(30, 70, seed=2))]
-    ids = [1, 2, *[pad] * 6, 3, *[pad] * 3, 4]
-    got = vision_chunk_inputs(ids, urls, pad)
-    assert got["prompt_token_ids"] == [1, 2, pad, 3, pad, 4]
-    chunks = got["multi_modal_data"]["vision_chunk"]
-    assert [(c["type"], c["uuid"]) for c in chunks] == [("image", None)] * 2
-    for c, u in zip(chunks, urls, strict=True):
-        assert np.array_equal(np.asarray(c["image"]), np.asarray(decode_data_url(u)))
-    assert vision_chunk_inputs(ids, [], pad) == {"prompt_token_ids": ids}
-    with pytest.raises(RequestError, match="2 image runs of token 9 for 1 images"):
-        vision_chunk_inputs(ids, urls[:1], pad)
-    with pytest.raises(RequestError, match="not a base64 data URL"):
-        vision_chunk_inputs(ids, [urls[0], "/tmp/x.png"], pad)
-    assert expanded_prompt_error(0, ids, ids, pad) is None
-    served = [1, 2, *[pad] * 11, 3, *[pad] * 5, 4]  # e.g. sent expanded and expanded again
-    assert "to [11, 5] tokens, the pipeline to [6, 3]" in expanded_prompt_error(0, ids, served, pad)
