@@ -49,6 +49,41 @@ def test_resumable_outputs_pin_the_image_processor_of_a_vision_verifier(tiny_ver
     assert pinned["patch_size"] == 14 and "in_patch_limit" in pinned
 
 
+def test_stage01s_vllm_requests_keep_one_engine_whichever_parts_hold_images(tmp_path, tiny_vl_verifier):
+    """Stage 01's vLLM engine fields for a vision verifier ask for an engine that takes images from the
+    start (the engine a --serve server or the first part starts): a part with images and a part without
+    are valid worker requests with the same engine key, so no part restarts the engine."""
+    import torch
+
+    from eagle3_pipeline.data.config import ExtractConfig
+    from eagle3_pipeline.vllm_side.extract_vllm import engine_fields
+    from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
+
+    cfg = ExtractConfig(verifier_path=str(tiny_vl_verifier), out_dir=str(tmp_path), max_seq_len=512)
+    fields = {**engine_fields(cfg, [2, 4, 5], 8, torch.float32, 9), "storage_path": str(tmp_path / "s")}
+    assert (fields["vision"], fields["image_token_id"]) == (True, 9)
+    text_fields = engine_fields(cfg, [2, 4, 5], 8, torch.float32)
+    assert (text_fields["vision"], text_fields["image_token_id"]) == (False, None)
+
+    def checked(**extra) -> dict:
+        (tmp_path / "req.json").write_text(json.dumps({**fields, **extra}))
+        return load_request(str(tmp_path / "req.json"))
+
+    url = "data:image/png;base64,AAAA"
+    with_images = checked(prompts=[[1, 9, 9, 2], [3]], images=[[url], []])
+    assert engine_key(with_images) == engine_key(checked(prompts=[[3]])) == engine_key(checked(prompts=None))
+
+
+def test_an_undecodable_image_is_rejected_with_the_same_reason_in_every_run():
+    """Pillow's message names the in-memory stream by its address; the reason (rejects.jsonl, compared byte
+    for byte across reruns and engines) must not."""
+    from eagle3_pipeline.data.images import ImageRejected, checked_image
+
+    with pytest.raises(ImageRejected) as caught:
+        checked_image(b"not an image")
+    assert str(caught.value) == "image cannot be decoded (UnidentifiedImageError: cannot identify image file)"
+
+
 def test_image_runs_count_each_image_apart():
     assert image_runs([1, 9, 9, 2, 3, 9, 4, 9, 9, 9], 9) == [2, 1, 3]
     assert image_runs([], 9) == []
@@ -195,29 +230,28 @@ def test_states_at_image_positions_come_from_a_forward_that_saw_the_image(vl_run
 
 
 def test_stage01_takes_images_only_where_its_forward_sees_the_pixels(tiny_verifier, tiny_vl_verifier):
-    """Image rows reach the verifier in stage 01's transformers forward only: with --engine vllm or token
-    shards (states from vLLM later) they are rejected naming --engine hf; a text-only verifier rejects
-    them naming its missing vision tower."""
+    """Image rows reach the verifier in stage 01's forward with either engine (vLLM's is given the pixels
+    too: tests/test_vllm_extract.py); token shards (states from vLLM online, token ids only) reject them
+    naming the storage dtype; a text-only verifier rejects them naming its missing vision tower."""
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.data.config import ExtractConfig
-    from eagle3_pipeline.data.extract_render import IMAGES_NEED_HF, extract_images
+    from eagle3_pipeline.data.extract_render import IMAGES_NEED_STATES, extract_images
     from eagle3_pipeline.data.samples import SampleOptions, row_samples
 
     tok = AutoTokenizer.from_pretrained(str(tiny_vl_verifier))
-    hf = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf")
-    assert extract_images(hf, tok)[0] is not None
-    assert extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="vllm"), tok) == (
-        None, IMAGES_NEED_HF)  # fmt: skip
+    for engine in ("hf", "vllm"):
+        got = extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine=engine), tok)
+        assert got[0] is not None and got[0].pad_id == tok.convert_tokens_to_ids("<|media_pad|>"), engine
     tokens_only = ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="hf", storage_dtype="none")
-    assert extract_images(tokens_only, tok)[1] == IMAGES_NEED_HF
+    assert extract_images(tokens_only, tok) == (None, IMAGES_NEED_STATES)
     text_tok = AutoTokenizer.from_pretrained(str(tiny_verifier))
     text_only = ExtractConfig(verifier_path=str(tiny_verifier))
     assert extract_images(text_only, text_tok) == (None, NO_VISION_TOWER)
     row = _vl_rows()[1]
-    with pytest.raises(RowRejected, match="--engine hf"):
-        row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_HF, base_dir=DATA))
-    images = extract_images(hf, tok)[0]
+    with pytest.raises(RowRejected, match="--storage-dtype other than none"):
+        row_samples(row, 1, tok, SampleOptions(512, no_images_why=IMAGES_NEED_STATES, base_dir=DATA))
+    images = extract_images(ExtractConfig(verifier_path=str(tiny_vl_verifier), engine="vllm"), tok)[0]
     (smp,) = row_samples(row, 1, tok, SampleOptions(512, images=images, base_dir=DATA))
     assert image_runs(smp.input_ids, images.pad_id) == [2] and len(smp.images) == 1
 

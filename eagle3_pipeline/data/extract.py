@@ -73,7 +73,8 @@ def run(cfg: ExtractConfig) -> int:
     if cfg.serve:  # with --engine vllm (ExtractConfig.rule_problem)
         from eagle3_pipeline.vllm_side.extract_vllm import serve
 
-        return serve(cfg, aux_ids, facts.num_hidden_layers, state_dtype.resolve_dtype(cfg.dtype))
+        dtype = state_dtype.resolve_dtype(cfg.dtype)
+        return serve(cfg, aux_ids, facts.num_hidden_layers, dtype, _image_pad_id(cfg))
     # every shard records it; a resume of an unfinished shard compares it (_check_resumed_verifier)
     facts = dataclasses.replace(facts, fingerprint=verifier_fingerprint(verifier_path))
     step = cfg.shard_rows or end - start
@@ -161,7 +162,7 @@ def _open_engine(cfg: ExtractConfig, facts: Any, aux_ids: list[int], dtype: torc
     if cfg.engine == "vllm":
         from eagle3_pipeline.vllm_side.extract_vllm import VllmStates
 
-        return VllmStates(cfg, aux_ids, facts.num_hidden_layers, dtype).__enter__()
+        return VllmStates(cfg, aux_ids, facts.num_hidden_layers, dtype, _image_pad_id(cfg)).__enter__()
     t0 = time.time()
     model = load_verifier_model(Path(cfg.verifier_path), dtype, cfg.trust_remote_code)
     log.info("verifier loaded | %s | %s | %.1fs", cfg.verifier_path, str(dtype).removeprefix("torch."),
@@ -179,6 +180,12 @@ def _image_tokens(cfg: ExtractConfig) -> ImageTokens | None:
         return None
     tok = AutoTokenizer.from_pretrained(str(cfg.verifier_path), trust_remote_code=cfg.trust_remote_code)
     return extract_images(cfg, tok)[0]
+
+
+def _image_pad_id(cfg: ExtractConfig) -> int | None:
+    """The vLLM engine's image placeholder id, where the verifier sees its rows' images."""
+    images = _image_tokens(cfg)
+    return None if images is None else images.pad_id
 
 
 def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[str, Any]) -> None:

@@ -25,14 +25,16 @@ from eagle3_pipeline.core.errors import UserError
 DEPTH = 2  # parts rendered ahead of the forward (memory: their token ids only)
 
 
-# the pixels reach the verifier only in this process's transformers forward
-IMAGES_NEED_HF = "image rows need --engine hf with stored states (vLLM's extraction takes token ids only)"
+# token shards' states come later from `vllm serve` (training/online.py), whose completions requests carry
+# token ids only: the pixels reach the verifier in stage 01's forward (either engine) only
+IMAGES_NEED_STATES = ("image rows need stored states (a --storage-dtype other than none): token shards' "
+                      "online states are requested with token ids only")  # fmt: skip
 
 
 def extract_images(cfg: ExtractConfig, tokenizer: Any) -> tuple[Any, str]:
     """(ImageTokens or None, why image rows are rejected): a verifier with a vision tower sees its rows'
-    images in the hf engine's forward; the vLLM engine and token shards (states from vLLM online) take
-    none."""
+    images in either engine's forward (vLLM's given them as `vision_chunk` inputs); token shards (states
+    from vLLM online) take none."""
     from eagle3_pipeline.data.conversations import NO_VISION_TOWER
     from eagle3_pipeline.data.images import ImageTokens
     from eagle3_pipeline.data.state_dtype import NO_STATES
@@ -40,8 +42,8 @@ def extract_images(cfg: ExtractConfig, tokenizer: Any) -> tuple[Any, str]:
     images = ImageTokens.of_verifier(Path(cfg.verifier_path), tokenizer)
     if images is None:
         return None, NO_VISION_TOWER
-    if cfg.engine != "hf" or cfg.storage_dtype == NO_STATES:
-        return None, IMAGES_NEED_HF
+    if cfg.storage_dtype == NO_STATES:
+        return None, IMAGES_NEED_STATES
     return images, ""
 
 

@@ -94,7 +94,10 @@ def checked_image(data: bytes) -> Any:
     except ImageRejected:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageRejected(f"image cannot be decoded ({type(e).__name__}: {e})") from None
+        # Pillow names the unidentified stream by its address: the reason must read the same in every run
+        # (a rerun writes the same rejects.jsonl bytes)
+        why = "cannot identify image file" if isinstance(e, UnidentifiedImageError) else e
+        raise ImageRejected(f"image cannot be decoded ({type(e).__name__}: {why})") from None
 
 
 def load_part_image(part: dict[str, Any], base_dir: Path | None) -> str:

@@ -37,7 +37,7 @@ log = logging.getLogger("eagle3.extract")
 
 SERVER_FILE = "vllm-server.json"  # in out_dir, while a --serve server runs
 # what a client's run must share with the server's engine (else its states would not be this config's)
-MATCHED = ("verifier", "layer_ids", "dtype", "max_model_len", "trust_remote_code")
+MATCHED = ("verifier", "layer_ids", "dtype", "max_model_len", "trust_remote_code", "image_token_id")
 
 
 def layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
@@ -46,7 +46,10 @@ def layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
     return sorted({*aux_ids, num_layers})
 
 
-def engine_fields(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype) -> dict:
+def engine_fields(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype,
+                  image_pad_id: int | None = None) -> dict:  # fmt: skip
+    """The engine's request fields; `image_pad_id`: the verifier's <|media_pad|> id where its image rows
+    are taken (an engine that takes images, for every part: one engine whichever parts hold images)."""
     from eagle3_pipeline.models.verifier import read_text_config
 
     positions = read_text_config(Path(cfg.verifier_path)).get("max_position_embeddings")
@@ -64,6 +67,8 @@ def engine_fields(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype
         "max_model_len": cfg.max_seq_len + 1,  # a sample and the one token generated after it
         "trust_remote_code": cfg.trust_remote_code,
         "tensor_parallel_size": max(torch.cuda.device_count(), 1),
+        "vision": image_pad_id is not None,
+        "image_token_id": image_pad_id,
     }
 
 
@@ -112,10 +117,11 @@ def running_server(out_dir: Path) -> dict | None:
 class VllmStates:
     """(aux [T, n_aux, H], last [T, H]) per sequence from vLLM; `with` opens the engine."""
 
-    def __init__(self, cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype):
+    def __init__(self, cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype,
+                 image_pad_id: int | None = None):  # fmt: skip
         out_dir = Path(cfg.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.fields = engine_fields(cfg, aux_ids, num_layers, dtype)
+        self.fields = engine_fields(cfg, aux_ids, num_layers, dtype, image_pad_id)
         layers = self.fields["layer_ids"]
         self.aux_index = torch.tensor([layers.index(i) for i in aux_ids])
         self.last_index = layers.index(num_layers)
@@ -168,9 +174,9 @@ class VllmStates:
         self.session.__exit__(*exc)
 
     def __call__(
-        self, sequences: list[list[int]], images: Any = None
+        self, sequences: list[list[int]], images: list[list[str]] | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(image rows never get here: stage 01 rejects them with this engine, extract_render.py)"""
+        """`images[i]`: the data URLs of the images sequence i's runs of <|media_pad|> stand for."""
         from safetensors.torch import load_file
 
         if self.starting is not None:
@@ -179,7 +185,10 @@ class VllmStates:
             if self.start_error is not None:
                 raise self.start_error
         t0 = time.time()
-        result = self.session.request({**self.fields, "prompts": sequences})
+        request = {**self.fields, "prompts": sequences}
+        if images and any(images):
+            request["images"] = images
+        result = self.session.request(request)
         out = []
         for seq, path in zip(sequences, result["paths"], strict=True):
             data = load_file(path)
@@ -192,14 +201,15 @@ class VllmStates:
         return out
 
 
-def serve(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype) -> int:
+def serve(cfg: ExtractConfig, aux_ids: list[int], num_layers: int, dtype: torch.dtype,
+          image_pad_id: int | None = None) -> int:  # fmt: skip
     """--serve: the engine on loopback for stage 01's clients, until Ctrl-C or SIGTERM."""
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = out_dir / SERVER_FILE
     if running_server(out_dir) is not None:
         raise UserError(f"{record}: a vLLM server already runs for this out_dir (stop it first)")
-    fields = engine_fields(cfg, aux_ids, num_layers, dtype)
+    fields = engine_fields(cfg, aux_ids, num_layers, dtype, image_pad_id)
     fields["storage_path"] = str(out_dir / ".vllm-states-server")
     version = vllm_version(cfg.vllm_python)
     log_path = out_dir / "vllm-server.log"

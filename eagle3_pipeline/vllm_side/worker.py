@@ -30,7 +30,8 @@ vLLM's image processor needs).
 
 Extraction: "task": "extract" with "layer_ids", "storage_path" and "max_model_len" runs vLLM's
 extract_hidden_states method; OUT.json holds "paths", one safetensors file per prompt
-(hidden_states [tokens, layers, hidden], ascending layer order; token_ids), complete when answered.
+(hidden_states [tokens, layers, hidden], ascending layer order; token_ids), complete when answered;
+with images, from the verifier's forward given their pixels.
 
 OUT.json (written atomically):
     {"outputs": [[generated token ids], ...], "num_drafts", "num_draft_tokens",
@@ -308,7 +309,6 @@ def _extract(llm, req: dict, params, startup_s: float) -> dict:
     import fcntl
 
     import vllm
-    from vllm.inputs import TokensPrompt
 
     if not req["prompts"]:
         raise RequestError("an extract request needs prompts")
@@ -317,9 +317,8 @@ def _extract(llm, req: dict, params, startup_s: float) -> dict:
     for name in os.listdir(storage):  # left by a client that died before deleting them
         os.unlink(os.path.join(storage, name))
     t0 = time.perf_counter()
-    results = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params, use_tqdm=False
-    )
+    results = llm.generate(images.request_prompts(req), params, use_tqdm=False)  # the pixels too
+    images.check_served_prompts(req, [r.prompt_token_ids for r in results])
     paths = []
     for r in results:
         path = (r.kv_transfer_params or {}).get("hidden_states_path")
