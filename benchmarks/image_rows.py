@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", type=Path, required=True, help="verifier, rows, shards, drafts (cached)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--draft-steps", type=int, default=SIZE["draft_steps"], help="each draft's optimizer steps")
+    p.add_argument("--draft-steps", type=int, default=SIZE["draft_steps"],
+                   help="each draft's optimizer steps (both the same)")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "image_rows.json")
     a = p.parse_args(argv)
     import torch

@@ -250,11 +250,13 @@ def test_the_sampled_simulation_sees_the_pixels(vl_run):
     from eagle3_pipeline.export_eval import evaluate
     from eagle3_pipeline.export_eval.config import EvaluateConfig
     from eagle3_pipeline.models.acceptance import Sampling, verifier_trace_with_aux, verify_pass
-    from eagle3_pipeline.models.verifier import AuxCapture, find_decoder_layers, load_verifier_model
+    from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
+                                                 verifier_facts)  # fmt: skip
 
     verifier, draft, data = vl_run / "verifier", vl_run / "draft", DATA / "heldout_prompts_vl.jsonl"
     cfg = EvaluateConfig(draft_dir=str(draft), data_path=str(data), num_prompts=1, max_new_tokens=4,
-                         engine="sim", temperature=1.0, top_p=0.95, out_dir=str(vl_run / "sampled"))  # fmt: skip
+                         engine="sim", temperature=1.0, top_p=0.95,
+                         out_dir=str(vl_run / "sampled"))  # fmt: skip
     assert evaluate.run(cfg) == 0
     sampled = _json(vl_run / "sampled" / "acceptance_sim_t1_p0.95.json")
     assert sampled["num_prompts_with_images"] == 1 and "expected_accepted_per_pos" in sampled["sim"]
@@ -263,7 +265,8 @@ def test_the_sampled_simulation_sees_the_pixels(vl_run):
     prompts, urls = evaluate.prompts_with_images(tok, data, 0, 3, {}, images)
     assert urls[0] and not urls[2]
     model = load_verifier_model(verifier, torch.float32, False)
-    capture = AuxCapture(find_decoder_layers(model, 8), [2, 4, 5])
+    aux_ids = _json(draft / "config.json")["eagle_aux_hidden_state_layer_ids"]
+    capture = AuxCapture(find_decoder_layers(model, verifier_facts(verifier).num_hidden_layers), aux_ids)
     sampling, n = Sampling(1.0, 0.95), len(prompts[0])
     pixels = images.model_inputs(urls[0], model)
     seq, _, probs = verifier_trace_with_aux(model, capture, prompts[0], 4, sampling,
