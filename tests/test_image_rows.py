@@ -365,3 +365,53 @@ def test_stage00_vllm_engine_sends_each_prompt_its_images(tiny_vl_verifier, tmp_
     assert sent["prompt_token_ids"].count(images.pad_id) == 2  # one placeholder per image, vLLM expands
     assert [c["type"] for c in sent["multi_modal_data"]["vision_chunk"]] == ["image", "image"]
     assert [image_runs(s["prompt_ids"], images.pad_id) for s in out[1]["token_samples"]] == [[6], [6, 2]]
+
+
+def test_the_sampled_simulation_sees_the_pixels(vl_run):
+    """Stage 06 at Kimi-K2.5's thinking sampling (1.0 / 0.95) takes the held-out image prompts. After an
+    image prompt the verify pass over drafts (two rows in one batch) gives the trace's own p~, which saw
+    the pixels (a text-only forward gives others), and the sampled result's expected counts differ from
+    the same ids' without the pixels. Greedy, the output is the verifier's greedy one with the pixels."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.export_eval import evaluate
+    from eagle3_pipeline.export_eval.config import EvaluateConfig
+    from eagle3_pipeline.models.acceptance import Sampling, verifier_trace_with_aux, verify_pass
+    from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
+                                                 verifier_facts)  # fmt: skip
+
+    verifier, draft, data = vl_run / "verifier", vl_run / "draft", DATA / "heldout_prompts_vl.jsonl"
+    cfg = EvaluateConfig(draft_dir=str(draft), data_path=str(data), num_prompts=1, max_new_tokens=4,
+                         engine="sim", temperature=1.0, top_p=0.95,
+                         out_dir=str(vl_run / "sampled"))  # fmt: skip
+    assert evaluate.run(cfg) == 0
+    sampled = _json(vl_run / "sampled" / "acceptance_sim_t1_p0.95.json")
+    assert sampled["num_prompts_with_images"] == 1 and "expected_accepted_per_pos" in sampled["sim"]
+    tok = AutoTokenizer.from_pretrained(str(verifier))
+    images = ImageTokens.of_verifier(verifier, tok)
+    prompts, urls = evaluate.prompts_with_images(tok, data, 0, 3, {}, images)
+    assert urls[0] and not urls[2]
+    model = load_verifier_model(verifier, torch.float32, False)
+    aux_ids = _json(draft / "config.json")["eagle_aux_hidden_state_layer_ids"]
+    capture = AuxCapture(find_decoder_layers(model, verifier_facts(verifier).num_hidden_layers), aux_ids)
+    sampling, n = Sampling(1.0, 0.95), len(prompts[0])
+    pixels = images.model_inputs(urls[0], model)
+    seq, _, probs = verifier_trace_with_aux(model, capture, prompts[0], 4, sampling,
+                                            torch.Generator().manual_seed(0), pixels)  # fmt: skip
+    items = [(n, seq[n : n + 2].tolist()), (n + 1, seq[n + 1 : n + 3].tolist())]
+    seen = verify_pass(model, capture, sampling, pixels)(seq, items)
+    torch.testing.assert_close(seen[0], probs[0:3], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(seen[1], probs[1:4], atol=1e-5, rtol=1e-4)
+    blind = verify_pass(model, capture, sampling)(seq, items)
+    assert (blind[0] - probs[0:3]).abs().max() > 1e-3
+    seen_greedy = verifier_trace_with_aux(model, capture, prompts[0], 4, Sampling(), None, pixels)[0]
+    capture.remove()
+    # top_p 1: this verifier's top token mostly holds > 0.95 of the mass, so at 0.95 p~ is mostly one-hot
+    full = Sampling(1.0, 1.0)
+    with_pixels, _ = evaluate.simulate(verifier, draft, prompts[:1], 4, 3, sampling=full,
+                                       images=(images, urls[:1]))  # fmt: skip
+    without, _ = evaluate.simulate(verifier, draft, prompts[:1], 4, 3, sampling=full)
+    assert with_pixels["expected_accepted_per_pos"] != without["expected_accepted_per_pos"]
+    _, greedy = evaluate.simulate(verifier, draft, prompts[:1], 4, 3, images=(images, urls[:1]))
+    assert greedy == [seen_greedy[n : n + 4].tolist()]

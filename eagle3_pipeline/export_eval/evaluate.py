@@ -160,7 +160,6 @@ def simulate(
         trust_remote_code=trust_remote_code,
     )
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), draft.aux_layer_ids)
-    verify = None if sampling.greedy else verify_pass(model, capture, sampling)
     probabilistic = sampling if draft_sample_method == "probabilistic" else None
     coins = torch.Generator().manual_seed(sampling.seed + COIN_SEED)
     counts = AcceptanceCounts(k)
@@ -168,6 +167,7 @@ def simulate(
     try:
         for i, prompt in enumerate(progress(prompts, desc="simulate", unit="prompt")):
             pixels = images[0].model_inputs(images[1][i], model) if images and images[1][i] else {}
+            verify = None if sampling.greedy else verify_pass(model, capture, sampling, pixels)
             if replay is not None:
                 seq, aux, probs = replay_with_aux(model, capture, prompt, replay[i], sampling, pixels)
             else:
@@ -278,14 +278,6 @@ def _verifier_of(cfg: EvaluateConfig, draft_dir: Path, recorded: dict[str, Any])
     return verifier_path
 
 
-def _check_image_prompts(cfg: EvaluateConfig, sampling: Sampling, with_images: int) -> None:
-    """Sampled prompts with images run in vLLM only: the sampled simulation's verify pass runs text
-    forwards (vLLM's worker sends each prompt's images, vllm_side/images.py)."""
-    if with_images and not sampling.greedy and cfg.engine != "vllm":
-        raise UserError(f"{cfg.data_path}: {with_images} prompts have images: the simulation with images is "
-                        "greedy only (--temperature 0, or --engine vllm)")  # fmt: skip
-
-
 def run(cfg: EvaluateConfig) -> int:
     draft_dir = Path(cfg.draft_dir)
     if not (draft_dir / "config.json").is_file():
@@ -313,7 +305,6 @@ def _evaluate(cfg: EvaluateConfig, draft_dir: Path) -> int:
     prompts, urls = prompts_with_images(tokenizer, Path(cfg.data_path), cfg.start_row, cfg.num_prompts,
                                         template_kwargs, image_tokens)  # fmt: skip
     sampling = sampling_of(cfg)
-    _check_image_prompts(cfg, sampling, sum(map(bool, urls)))
     requests = [p for p in prompts for _ in range(cfg.samples_per_prompt)]  # request i: seed + i
     request_urls = [u for u in urls for _ in range(cfg.samples_per_prompt)]
     images = (image_tokens, request_urls) if image_tokens is not None and any(urls) else None

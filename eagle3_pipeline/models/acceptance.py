@@ -481,10 +481,13 @@ def replay_with_aux(
 VERIFY_BATCH = 16  # verify-pass contexts per verifier forward (right-padded; causal, so pads change nothing)
 
 
-def verify_pass(model: Any, capture: Any, sampling: Sampling) -> VerifyPass:
+def verify_pass(
+    model: Any, capture: Any, sampling: Sampling, pixels: dict[str, torch.Tensor] | None = None
+) -> VerifyPass:
     """p~ after seq[:n] and after each of the drafts that follow it, for many (n, drafts) of one
     sequence: batched forwards of the verifier over seq[:n] + drafts (a speculative step's verify pass),
-    right-padded, since a causal model's logits at a position do not depend on later tokens."""
+    right-padded, since a causal model's logits at a position do not depend on later tokens. `pixels`:
+    the images of the sequence's prompt, which every row holds (n is past the prompt), given once per row."""
     device = next(model.parameters()).device
 
     def run(seq: torch.Tensor, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -496,10 +499,19 @@ def verify_pass(model: Any, capture: Any, sampling: Sampling) -> VerifyPass:
             pad = torch.nn.functional.pad
             batch = torch.stack([pad(r, (0, width - len(r)), value=int(r[-1])) for r in rows])
             with torch.no_grad():
-                logits = model(input_ids=batch.to(device), use_cache=False).logits
+                images = _per_row(pixels, len(rows))
+                logits = model(input_ids=batch.to(device), use_cache=False, **images).logits
             capture.states.clear()  # its hooks fire on every forward; these states are not needed
             for row, (n, d) in enumerate(chunk):
                 out.append(sampling.probs(logits[row, n - 1 : n + len(d)]).cpu())
         return out
 
     return run
+
+
+def _per_row(pixels: dict[str, torch.Tensor] | None, rows: int) -> dict[str, torch.Tensor]:
+    """One prompt's images for a batch of `rows` sequences that each hold them: the patches and grids
+    repeated row after row, the order in which the model fills the image positions of the batch."""
+    if not pixels:
+        return {}
+    return {k: v.repeat(rows, *([1] * (v.dim() - 1))) for k, v in pixels.items()}
