@@ -181,6 +181,8 @@ def measure(
                          aux_ids or dq.aux_layer_ids(work, "smollm2"))  # fmt: skip
     counts = {d: {s: AcceptanceCounts(K) for s in SETTINGS} for d in refs}
     cost: dict[str, float] = {}
+    # rows whose traces are stored first (a stable sort): a row still being made elsewhere is waited for last
+    rows = sorted(rows, key=lambda r: not (work / TRACES / f"{r['id']}.pt").exists())
     for i, row in enumerate(rows):
         prompt = row["token_samples"][0]["prompt_ids"]
         make = partial(verifier_traces, model, capture, prompt, trace_length(max_new, K), i)

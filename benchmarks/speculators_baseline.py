@@ -82,6 +82,10 @@ def spec_of(model: Any, d2t: torch.Tensor, parallel_k: int | None = None) -> Dra
         max_position_embeddings=tl.max_position_embeddings,
         # its rotary embedding is built from this layer config, so a yarn verifier's scaling trained it
         rope_scaling=rope_scaling.of_verifier({"rope_parameters": dict(rope)}, "speculators' layer config"),
+        # speculators 0.9.0's default layer is sliding (layer_types ["sliding_attention"], window 2048): it
+        # trains and is served with that window
+        sliding_window=tl.sliding_window if "sliding_attention" in (getattr(tl, "layer_types", None) or [])
+        else None,
         vocab_size=tl.vocab_size,
         draft_vocab_size=int(d2t.numel()),
         aux_layer_ids=tuple(c.eagle_aux_hidden_state_layer_ids),

@@ -86,10 +86,10 @@ def test_yarn_verifier_config_reads_as_the_same_yarn_everywhere():
         real_verifier.yarn_config(plain, 1)
 
 
-def test_speculators_draft_exports_the_yarn_its_layer_config_trained_with():
+def test_speculators_draft_exports_the_yarn_and_window_its_layer_config_trained_with():
     """speculators builds its draft's rotary embedding from the verifier's layer config, so on a yarn
-    verifier it trains with yarn: the project's spec of it (what stage 05 exports) carries that scaling;
-    on a plain verifier none."""
+    verifier it trains with yarn: the project's spec of it (what stage 05 exports) carries that scaling,
+    on a plain verifier none; and its layer's sliding window when the layer config makes it sliding."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig
@@ -110,3 +110,7 @@ def test_speculators_draft_exports_the_yarn_its_layer_config_trained_with():
     assert spec(yarn).rope_scaling == {"rope_type": "yarn", "factor": 4.0,
                                        "original_max_position_embeddings": 8192}  # fmt: skip
     assert spec(yarn).rope_theta == 100000.0
+    # speculators 0.9.0's default layer is sliding (window 2048): exported with it, as trained
+    windowed = LlamaConfig(**{**plain.to_dict(), "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
+                              "sliding_window": 2048})  # (speculators: a one-layer draft)
+    assert spec(windowed).sliding_window == 2048 and spec(plain).sliding_window is None
