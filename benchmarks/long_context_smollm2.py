@@ -26,8 +26,11 @@ minutes at 16k-28k on these cores; three calibration forwards print each length'
 prompt per length is measured first (0.5k, 28k, 16k, 8k, 2k), then the others cheapest first, and the
 JSON is rewritten after each prompt, so a run cut short still holds every bucket.
 
-    nice -n 5 prlimit --as=12000000000 .venv/bin/python -m benchmarks.long_context_smollm2 \\
+    nice -n 5 prlimit --as=14000000000 .venv/bin/python -m benchmarks.long_context_smollm2 \\
         --work-dir /work/lc/smollm2_yarn --out docs/results/long_context_smollm2.json
+
+The verifier's traces need no draft: `--traces-only` (same work dir, another process) makes and stores
+them while the drafts train, and the measurement reads them (docs/results.md has the run as made).
 """
 
 from __future__ import annotations
