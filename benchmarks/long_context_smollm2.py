@@ -71,7 +71,11 @@ PROJECT_DRAFTS = {
     "today": [],
     "rope+window": ["--rope-scaling", "verifier", "--sliding-window", str(WINDOW)],
     "rope": ["--rope-scaling", "verifier"],
+    "today+given": [],
 }
+# a project draft's rows when not the thinking regenerations: today's recipe with the given conversations
+# beside them (draft_quality.JOINED), for the same steps
+DRAFT_ROWS = {"today+given": "given_regenerated_t1"}
 SPECULATORS = "speculators"
 DEFAULT_DRAFTS = ["today", "rope+window", SPECULATORS]
 
@@ -98,7 +102,9 @@ def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
     out = {}
     for name in (d for d in a.drafts if d in PROJECT_DRAFTS):  # validated once, at the end (costs steps)
         flags = [*recipe, *positions, "--eval-every", str(steps), *PROJECT_DRAFTS[name]]
-        run = dq.project_train(root, name.replace("+", "_"), steps, flags, log, threads, hidden)
+        ds = DRAFT_ROWS.get(name)
+        rows = root if ds is None else _prepared(work, ds, dq.data_source(work, ds), log, threads)
+        run = dq.project_train(rows, name.replace("+", "_"), steps, flags, log, threads, hidden)
         out[name] = _exported(run, log, threads)
     if SPECULATORS in a.drafts:
         spec_root = root if a.speculators_rows == "regenerated" else _prepared(
