@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     a.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     drafts = {} if a.traces_only else train_drafts(a.work_dir, a)
+    if a.train_only:  # the measurement reads them later, from the same work dir
+        return 0
     t1 = time.time()
     lengths = {t: n for t, n in zip(LENGTHS, a.per_length) if n > 0}
     rows = prompt_rows(a.work_dir / "verifier", a.max_new_tokens, lengths)
@@ -405,8 +407,6 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(json.dumps(report, indent=1) + "\n")
         return report
 
-    if a.train_only:
-        return 0
     if a.traces_only:  # no drafts: nothing to report
         measure(a.work_dir, {}, rows, a.max_new_tokens, a.threads, lambda m: None)
         return 0
