@@ -12,7 +12,9 @@ Sampling: as the export records it will be served (export_meta.json "served", fr
          accepts it with the verifier's probability of it after temperature/top-k/top-p; the simulation
          samples the verifier's trace and reports the exact expected acceptance per position.
 Engines: sim   this project's PyTorch run of vLLM's EAGLE-3 chain, reading the export files
-               exactly as vLLM does (head_dim, aux ids, d2t and norm flags from config.json);
+               exactly as vLLM does (head_dim, aux ids, d2t and norm flags from config.json); its
+               first pass computes outputs from each prompt's last slot on (the slots the rounds read;
+               exact, the draft is causal), so a long prompt costs the draft one linear pass;
          vllm  the real vLLM engine in its own environment (scripts/setup_vllm_cpu.sh on CPU);
          both  the two on the same prompts. Greedy: vLLM's speculative output must equal the verifier's
                greedy output token for token and per-position acceptance agree within 0.01 (the

@@ -22,6 +22,9 @@ rounds read (the prompt's last slot on), which is exact (causal) and linear in t
 
     nice -n 5 .venv/bin/python -m benchmarks.long_context --work-dir outputs/long_context --quick \\
         --out docs/results/long_context.json
+
+`--draft-arch mla` trains and measures the MLA draft (configs/kimi_k25.toml's kind) instead, in folders of
+its own beside the Llama drafts' (the verifier and shards are shared).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ import torch
 
 from benchmarks import RESULTS
 from benchmarks.draft_quality import sh
-from eagle3_pipeline.models.reference_draft import KVCache, ReferenceDraft, _rms_norm
 
 # Kimi-K2.5's text_config rope_scaling (factor 64, beta 32 / 1, mscale = mscale_all_dim = 1) over 512
 # original positions instead of 4,096: 32,768 positions on a model these 2 cores can run at that length.
@@ -56,6 +58,9 @@ VERIFIER_SHAPE = {"num_hidden_layers": 3, "num_attention_heads": 2, "num_key_val
 AUX_LAYER_IDS = [1, 2, 3]  # every layer of the 3 (EAGLE-3 takes three)
 LENGTHS = (1024, 4096, 8192, 16384, 32768)  # target prompt lengths, less ROOM: one bucket each
 ROPE_SETTINGS = ("verifier", "none")
+# the draft's layer -> 04_train flags: the Llama layer, or the MLA one configs/kimi_k25.toml trains (with the
+# verifier's MLA dims, as the pipeline takes them without --mla-* flags; vLLM's MLA draft has no input_norm)
+DRAFT_ARCHS = {"llama": [], "mla": ["--draft-arch", "mla", "--no-norm-before-fc"]}
 SETTINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "thinking": {"temperature": 1.0, "top_p": 0.95}}
 K = 3
 # Prompts per length (document, session alternating), new tokens per request, draft epochs and rows; the
@@ -89,8 +94,9 @@ def build_verifier(work: Path, size: dict, threads: int) -> dict[str, Any]:
     return json.loads(stats.read_text())
 
 
-def train_drafts(work: Path, size: dict, threads: int) -> dict[str, Path]:
-    """Stages 01-03 once, then 04_train + 05_export per rope setting (cached): {setting: export dir}."""
+def train_drafts(work: Path, size: dict, threads: int, arch: str = "llama") -> dict[str, Path]:
+    """Stages 01-03 once, then 04_train + 05_export per rope setting (cached): {setting: export dir}.
+    `arch`: the draft's layer (DRAFT_ARCHS; the MLA draft takes the verifier's MLA dims)."""
     log, verifier, data = work / "stages.log", work / "verifier", work / "data"
     if not (data / "split").exists():
         sh(["01_extract_hidden_states.py", "--verifier-path", str(verifier), "--data-path",
@@ -104,14 +110,15 @@ def train_drafts(work: Path, size: dict, threads: int) -> dict[str, Path]:
     hidden = json.loads((verifier / "config.json").read_text())["hidden_size"]
     out = {}
     for rope in ROPE_SETTINGS:
-        run, draft = work / f"train_{rope}", work / f"draft_{rope}"
+        name = rope if arch == "llama" else f"{arch}_{rope}"  # (llama's folders predate the MLA ones)
+        run, draft = work / f"train_{name}", work / f"draft_{name}"
         if not (draft / "config.json").exists():
             sh(["04_train.py", "--data-dir", str(data / "hidden_states"), "--split-dir", str(data / "split"),
                 "--vocab-mapping-dir", str(data / "vocab"), "--out-dir", str(run), "--epochs",
                 str(size["epochs"]), "--batch-tokens", "1024", "--max-seq-len", "1024", "--dtype", "float32",
                 "--num-attention-heads", "4", "--num-key-value-heads", "4", "--intermediate-size",
                 str(3 * hidden), "--max-position-embeddings", str(MAX_POSITIONS), "--rope-scaling", rope,
-                "--log-every", "50"], log, threads)  # fmt: skip
+                "--log-every", "50", *DRAFT_ARCHS[arch]], log, threads)  # fmt: skip
             sh(["05_export.py", "--train-dir", str(run), "--out-dir", str(draft)], log, threads)
         out[rope] = draft
     return out
@@ -134,36 +141,6 @@ def long_prompt_rows(verifier: Path, size: dict) -> list[dict[str, Any]]:
         per_length[target] = [r for pair in zip(docs, sessions + [None]) for r in pair if r is not None]
     order = sorted(LENGTHS, key=lambda t: (t != min(LENGTHS), -t))  # 1k, 32k, 16k, 8k, 4k
     return [per_length[t][i] for i in range(size["per_length"]) for t in order if i < len(per_length[t])]
-
-
-class TailDraft(ReferenceDraft):
-    """The export as vLLM reads it (ReferenceDraft), whose first pass computes outputs only from slot
-    `query_from` on: the rounds of a request read first-pass slots from the prompt's last one on, and a
-    causal slot's output does not depend on later slots, so those outputs are exact while the cost is
-    linear in the context and small (the slots before get their keys and values, for the cache, and
-    zero outputs and logits)."""
-
-    query_from = 0
-
-    @torch.no_grad()
-    def first_pass(
-        self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        s = min(self.query_from, aux.shape[0] - 1)
-        if s <= 0:
-            return super().first_pass(aux, next_tokens, positions)
-        g = self.combine(aux[:s])  # the head's keys and values, as _layer's attention input makes them
-        x = torch.cat([_rms_norm(self.embed[next_tokens[:s]], self.n_in, self.eps),
-                       _rms_norm(g, self.n_hidden, self.eps)], dim=-1)  # fmt: skip
-        k = (x @ self.wk.T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = (x @ self.wv.T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
-        head = KVCache(self._rope(k, positions[:s]), v)
-        out, cache = self._layer(self.combine(aux[s:]), next_tokens[s:], positions[s:], head)
-        carry, logits = self._carry(out), self.logits(out)
-        full_carry = carry.new_zeros(aux.shape[0], carry.shape[1])
-        full_logits = logits.new_zeros(aux.shape[0], logits.shape[1])
-        full_carry[s:], full_logits[s:] = carry, logits
-        return full_carry, full_logits, cache
 
 
 def verifier_traces(
@@ -208,6 +185,7 @@ def measure(
     """The simulation of every draft and setting over the rows: {draft: {setting: summary}}, and costs;
     `done(partial)` after each row, with what the rows so far give (a long run's results survive it)."""
     from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence, trace_length
+    from eagle3_pipeline.models.reference_mla import read_export
     from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
                                                   load_verifier_tensors, verifier_facts)  # fmt: skip
 
@@ -215,7 +193,7 @@ def measure(
     verifier = work / "verifier"
     facts = verifier_facts(verifier)
     embed = load_verifier_tensors(verifier, facts.tie_word_embeddings)["embed_tokens"]
-    refs = {rope: TailDraft(path, embed) for rope, path in drafts.items()}
+    refs = {rope: read_export(path, embed) for rope, path in drafts.items()}
     model = load_verifier_model(verifier, torch.float32, False)
     aux_ids = next(iter(refs.values())).aux_layer_ids or AUX_LAYER_IDS
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), aux_ids)
@@ -227,7 +205,6 @@ def measure(
         traces = verifier_traces(model, capture, prompt, trace_length(size["max_new"], K), i)
         t1 = time.time()
         for rope, ref in refs.items():
-            ref.query_from = len(prompt) - 1
             for name, (seq, aux) in traces.items():
                 simulate_sequence(ref, aux, seq, len(prompt), K, counts[rope][name], size["max_new"])
         key = str(row["target_tokens"] + room(size["max_new"]))
@@ -295,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="3 prompts per length, 16 new tokens, 2 epochs")
     p.add_argument("--per-length", type=int, help="prompts per length (default: the size's)")
     p.add_argument("--max-new-tokens", type=int, help="new tokens per request (default: the size's)")
+    p.add_argument("--draft-arch", choices=list(DRAFT_ARCHS), default="llama",
+                   help="the drafts' layer (mla: the Kimi config's; trains into its own folders)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "long_context.json",
                    help="results JSON, rewritten after each prompt")
@@ -304,13 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     a.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     stats = build_verifier(a.work_dir, size, a.threads)
-    drafts = train_drafts(a.work_dir, size, a.threads)
+    drafts = train_drafts(a.work_dir, size, a.threads, a.draft_arch)
     t1 = time.time()
     rows = long_prompt_rows(a.work_dir / "verifier", size)
 
     def write(m: dict) -> dict:
         seconds = {"build": round(t1 - t0, 1), "measure": round(time.time() - t1, 1)}
-        report = report_of(m, size, stats, rows, seconds, a.threads)
+        report = {"draft_arch": a.draft_arch, **report_of(m, size, stats, rows, seconds, a.threads)}
         if a.out:
             a.out.write_text(json.dumps(report, indent=1) + "\n")
         return report

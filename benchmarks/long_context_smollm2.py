@@ -72,6 +72,10 @@ PROJECT_DRAFTS = {
     "rope+window": ["--rope-scaling", "verifier", "--sliding-window", str(WINDOW)],
     "rope": ["--rope-scaling", "verifier"],
     "today+given": [],
+    # the MLA draft configs/kimi_k25.toml trains (draft_quality's MLA row: Kimi-K2.5's proportions on
+    # SmolLM2's width), with plain RoPE and with the verifier's yarn
+    "mla": dq.ABLATIONS[dq.MLA_ROW],
+    "mla+rope": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
 }
 # a project draft's rows when not the thinking regenerations: today's recipe with the given conversations
 # beside them (draft_quality.JOINED), for the same steps
@@ -197,7 +201,9 @@ def measure(
     verifier = work / "verifier"
     facts = verifier_facts(verifier)
     embed = load_verifier_tensors(verifier, facts.tie_word_embeddings)["embed_tokens"]
-    refs = {name: lc.TailDraft(path, embed) for name, path in drafts.items()}
+    from eagle3_pipeline.models.reference_mla import read_export
+
+    refs = {name: read_export(path, embed) for name, path in drafts.items()}
     model = load_verifier_model(verifier, torch.float32, False)
     estimate: dict[str, float] = {}
     if not (work / TRACES).exists():  # a run whose traces are (being) made elsewhere prints none
@@ -218,7 +224,6 @@ def measure(
         traces, verifier_s = cached_traces(work, row["id"], make)
         t1 = time.time()
         for name, ref in refs.items():
-            ref.query_from = len(prompt) - 1
             for st, (seq, aux, probs) in traces.items():
                 prob = None if probs is None else Sampling(**SETTINGS[st])
                 simulate_sequence(ref, aux, seq, len(prompt), K, counts[name][st], max_new, probs,

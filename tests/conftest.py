@@ -420,3 +420,41 @@ def record_digests(ckpt: Path) -> None:
         for name in (checkpoint.WEIGHTS_FILE, checkpoint.STATE_FILE)
     }
     (ckpt / checkpoint.INFO_FILE).write_text(json.dumps(info))
+
+
+def assert_tail_first_pass_exact(
+    ref, vocab_size: int, T: int = 300, prompt_len: int = 240, k: int = 3
+) -> None:
+    """`ref.first_pass(..., query_from=s)` (what the simulation runs: s = the prompt's last slot) gives the
+    whole first pass's cache and, from slot s on, its outputs and logits; and the simulation counts the
+    same drafts and acceptances with it as with the whole first pass, on a trace the draft mostly follows."""
+    import torch
+
+    from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence
+
+    torch.manual_seed(0)
+    aux, seq = torch.randn(T, ref.fc.shape[1]), torch.randint(0, vocab_size, (T,))
+    s, positions = prompt_len - 1, torch.arange(T - 1)
+    out_f, logits_f, cache_f = ref.first_pass(aux[:-1], seq[1:], positions)
+    out_t, logits_t, cache_t = ref.first_pass(aux[:-1], seq[1:], positions, query_from=s)
+    torch.testing.assert_close(cache_t.k, cache_f.k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache_t.v, cache_f.v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits_t[s:], logits_f[s:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_t[s:], out_f[s:], rtol=1e-5, atol=1e-5)
+    assert not logits_t[:s].any()  # nothing computed there
+    for n in range(prompt_len + 1, T, 2):
+        seq[n] = int(ref.to_target(logits_f[n - 2].argmax()[None])[0])
+
+    class Whole:  # the same draft with its whole first pass, whatever the simulation asks
+        def __getattr__(self, name):
+            return getattr(ref, name)
+
+        def first_pass(self, aux, next_tokens, positions, query_from=0):
+            return ref.first_pass(aux, next_tokens, positions)
+
+    counts = []
+    for draft in (Whole(), ref):
+        c = AcceptanceCounts(k)
+        simulate_sequence(draft, aux, seq, prompt_len, k, c)
+        counts.append((c.num_drafts, c.accepted_per_pos, c.steps))
+    assert counts[0] == counts[1] and sum(counts[0][1]) > 0

@@ -31,7 +31,7 @@ class OracleDraft:
             out[i, (token + 1) % self.vocab if target in self.wrong_at else token] = 1.0
         return out
 
-    def first_pass(self, aux, next_tokens, positions):
+    def first_pass(self, aux, next_tokens, positions, query_from=0):  # every slot: exact from any
         return positions[:, None].float(), self._logits(positions), _Cache()
 
     def step(self, g, token, position, cache):
@@ -100,7 +100,7 @@ class BigramDraft:
     def _onehot(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.one_hot(self.f[tokens], self.vocab).float()
 
-    def first_pass(self, aux, next_tokens, positions):
+    def first_pass(self, aux, next_tokens, positions, query_from=0):  # every slot: exact from any
         return positions[:, None].float(), self._onehot(next_tokens), _Cache()
 
     def step(self, g, token, position, cache):

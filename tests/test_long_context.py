@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_tail_first_pass_exact
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,32 +24,11 @@ def _load(name: str):
 
 
 def test_tail_first_pass_counts_exactly_what_the_whole_first_pass_counts(tiny_run):
-    from eagle3_pipeline.models.acceptance import AcceptanceCounts, simulate_sequence
     from eagle3_pipeline.models.reference_draft import ReferenceDraft
     from eagle3_pipeline.models.verifier import draft_tensors_of
 
-    lc = _load("long_context")
     embed = draft_tensors_of(tiny_run / "verifier")["embed_tokens"]
-    full, tail = ReferenceDraft(tiny_run / "draft", embed), lc.TailDraft(tiny_run / "draft", embed)
-    torch.manual_seed(0)
-    T, prompt_len, k = 300, 240, 3
-    aux = torch.randn(T, full.fc.shape[1])
-    seq = torch.randint(0, 256, (T,))
-    tail.query_from = prompt_len - 1
-    out_f, logits_f, cache_f = full.first_pass(aux[:-1], seq[1:], torch.arange(T - 1))
-    out_t, logits_t, cache_t = tail.first_pass(aux[:-1], seq[1:], torch.arange(T - 1))
-    assert torch.equal(cache_f.k, cache_t.k) and torch.equal(cache_f.v, cache_t.v)
-    assert torch.equal(logits_f[prompt_len - 1 :], logits_t[prompt_len - 1 :])
-    assert torch.equal(out_f[prompt_len - 1 :], out_t[prompt_len - 1 :])
-    # a trace the draft mostly follows, so rounds accept and chain steps run
-    for n in range(prompt_len + 1, T, 2):
-        seq[n] = int(full.to_target(logits_f[n - 2].argmax()[None])[0])
-    counts = {}
-    for name, draft in (("full", full), ("tail", tail)):
-        c = AcceptanceCounts(k)
-        simulate_sequence(draft, aux, seq, prompt_len, k, c)
-        counts[name] = (c.num_drafts, c.accepted_per_pos, c.steps)
-    assert counts["full"] == counts["tail"] and sum(counts["full"][1]) > 0
+    assert_tail_first_pass_exact(ReferenceDraft(tiny_run / "draft", embed), 256)
 
 
 def test_far_to_near_ratio_and_its_standard_error():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, saved_for_backward_vs_plan
+from conftest import REPO, assert_tail_first_pass_exact, saved_for_backward_vs_plan
 
 KIMI_MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
             "v_head_dim": 128}  # fmt: skip  # Kimi-K2.5's config.json (text_config)
@@ -126,6 +126,18 @@ def test_training_forward_equals_vllms_reading_of_the_export(tmp_path, q_lora):
         torch.testing.assert_close(lg[0], captured[1][0, t], atol=1e-3 * spread, rtol=1e-4)
 
 
+def test_mla_first_pass_from_the_prompts_last_slot_counts_what_the_whole_one_counts(tmp_path):
+    """The simulation's first pass from the prompt's last slot (linear in a long prompt) is exact for the
+    MLA reading too: its cache entries are the latent path's per-head keys and values."""
+    from eagle3_pipeline.models.reference_mla import MlaReferenceDraft, read_export
+
+    spec = tiny_spec()
+    model = _random_draft(spec, seed=2)
+    ref = read_export(_export(spec, model, tmp_path / "draft"), model.embed_tokens.weight.detach())
+    assert isinstance(ref, MlaReferenceDraft)
+    assert_tail_first_pass_exact(ref, spec.vocab_size, T=120, prompt_len=90)
+
+
 def test_the_reference_is_not_the_neox_rope_nor_the_training_classes(tmp_path):
     """Sanity of the comparison above: a neox-style rotation (the llama reading's) gives other logits."""
     from eagle3_pipeline.models import reference_mla
@@ -147,7 +159,7 @@ class ReferenceNeox:
     def __init__(self, ref):
         self.ref = ref
 
-    def first_pass(self, aux, ids, pos):
+    def first_pass(self, aux, ids, pos, query_from=0):
         from eagle3_pipeline.models import reference_mla
 
         orig = reference_mla.rope_interleaved
@@ -159,7 +171,7 @@ class ReferenceNeox:
 
         reference_mla.rope_interleaved = neox
         try:
-            return self.ref.first_pass(aux, ids, pos)
+            return self.ref.first_pass(aux, ids, pos, query_from)
         finally:
             reference_mla.rope_interleaved = orig
 

@@ -263,7 +263,8 @@ def simulate_sequence(
     total = seq.numel()
     end = total if max_new_tokens is None else min(total, prompt_len + max_new_tokens)
     positions = torch.arange(total - 1)
-    out0, logits0, cache = draft.first_pass(aux[: total - 1], seq[1:], positions)
+    # the rounds read first-pass slots from prompt_len - 1 on (greedy_proposals: slot n - 2, n > prompt_len)
+    out0, logits0, cache = draft.first_pass(aux[: total - 1], seq[1:], positions, query_from=prompt_len - 1)
     n = prompt_len + 1  # the verifier's prefill emitted seq[prompt_len]
     drafts0, accepted0 = counts.num_drafts, list(counts.accepted_per_pos)
     steps: list[tuple[int, list[int], int]] = []

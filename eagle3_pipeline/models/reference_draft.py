@@ -74,6 +74,10 @@ class KVCache:
     def truncate(self, n: int) -> KVCache:
         return KVCache(self.k[:, :n], self.v[:, :n])
 
+    def then(self, new: KVCache) -> KVCache:
+        """This cache followed by the entries of new slots."""
+        return KVCache(torch.cat([self.k, new.k], dim=1), torch.cat([self.v, new.v], dim=1))
+
 
 def cos_sin(
     positions: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any] | None
@@ -114,14 +118,11 @@ class ReferenceDraft:
         ones = torch.ones(self.hidden)  # vLLM's RMSNorm init, kept when a flag's weight is missing
         self.n_input = w.get("input_norm.weight", torch.ones(n_aux * self.hidden))
         self.n_fc = [w.get(f"fc_norm.{i}.weight", ones) for i in range(n_aux)]
-        self.w_gate = w[layer + "mlp.gate_proj.weight"]
-        self.w_up = w[layer + "mlp.up_proj.weight"]
+        self.w_gate, self.w_up = w[layer + "mlp.gate_proj.weight"], w[layer + "mlp.up_proj.weight"]
         self.w_down = w[layer + "mlp.down_proj.weight"]
-        self.n_in = w[layer + "input_layernorm.weight"]
-        self.n_hidden = w[layer + "hidden_norm.weight"]
+        self.n_in, self.n_hidden = w[layer + "input_layernorm.weight"], w[layer + "hidden_norm.weight"]
         self.n_post = w[layer + "post_attention_layernorm.weight"]
-        self.n_final = w["norm.weight"]
-        self.lm_head = w["lm_head.weight"]
+        self.n_final, self.lm_head = w["norm.weight"], w["lm_head.weight"]
         self.d2t, self.draft_index = _vocab_maps(c, w.get("d2t"))
         self.embed = embed_tokens.float()
         self.mask_token_id = c.get("mask_token_id") if parallel_config(c) else None
@@ -166,21 +167,22 @@ class ReferenceDraft:
     ) -> tuple[torch.Tensor, KVCache]:
         """Grouped-query attention of new slots x [T, 2H] over `cache` then causally over themselves."""
         T = x.shape[0]
-        q = (x @ self.wq.T).view(T, self.heads, self.head_dim).transpose(0, 1)
-        k = (x @ self.wk.T).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = (x @ self.wv.T).view(T, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = self._rope(q, positions), self._rope(k, positions)
+        q = self._rope((x @ self.wq.T).view(T, self.heads, self.head_dim).transpose(0, 1), positions)
         past = 0 if cache is None else cache.k.shape[1]
-        if cache is not None:
-            k, v = torch.cat([cache.k, k], dim=1), torch.cat([cache.v, v], dim=1)
-        new_cache = KVCache(k, v)
+        new = self._keys_values(x, positions)
+        new = new if cache is None else cache.then(new)
         rep = self.heads // self.kv_heads
-        kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        kk, vv = new.k.repeat_interleave(rep, 0), new.v.repeat_interleave(rep, 0)
         scores = (q @ kk.transpose(1, 2)) / self.head_dim**0.5
-        allowed = cache_mask(past, T, self.sliding_window)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~cache_mask(past, T, self.sliding_window), float("-inf"))
         a = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(T, self.heads * self.head_dim) @ self.wo.T
-        return a, new_cache
+        return a, new
+
+    def _keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> KVCache:
+        """The cache entries of new slots x [T, 2H]: rotated keys and values [kv_heads, T, head_dim]."""
+        k = (x @ self.wk.T).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = (x @ self.wv.T).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
+        return KVCache(self._rope(k, positions), v)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return _rms_norm(out, self.n_final, self.eps) @ self.lm_head.T
@@ -211,9 +213,12 @@ class ReferenceDraft:
 
     @torch.no_grad()
     def first_pass(
-        self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+        self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, query_from: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        """Slots t: verifier features at t ([T, n_aux*H], ascending ids), embedding of token t+1, RoPE t."""
+        """Slots t: verifier features at t ([T, n_aux*H], ascending ids), embedding of token t+1, RoPE t;
+        outputs and logits from slot `query_from` on only (tail_first_pass)."""
+        if min(query_from, aux.shape[0] - 1) > 0:
+            return tail_first_pass(self, aux, next_tokens, positions, query_from)
         out, cache = self._layer(self.combine(aux), next_tokens, positions, None)
         return self._carry(out), self.logits(out), cache
 
@@ -235,3 +240,23 @@ class ReferenceDraft:
         positions = torch.arange(last_position + 1, last_position + k)
         out, _ = self._layer(g, tokens, positions, cache)
         return self.logits(out)
+
+
+def tail_first_pass(
+    draft: ReferenceDraft, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, s: int
+) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    """The first pass with outputs and logits from slot s on (0 < s < T): the slots before get their cache
+    entries (the draft's `_keys_values`, what its attention caches), and zero outputs and logits. A causal
+    slot's output does not depend on later slots, so those from s on are exact, while the cost is linear
+    in the slots before s: a request's rounds read first-pass slots from its prompt's last one on, which
+    makes a long prompt's simulation affordable."""
+    d = draft
+    x = torch.cat([_rms_norm(d.embed[next_tokens[:s]], d.n_in, d.eps),
+                   _rms_norm(d.combine(aux[:s]), d.n_hidden, d.eps)], dim=-1)  # fmt: skip
+    head = d._keys_values(x, positions[:s])
+    out, cache = d._layer(d.combine(aux[s:]), next_tokens[s:], positions[s:], head)
+    carry, logits = d._carry(out), d.logits(out)
+    full_carry, full_logits = carry.new_zeros(aux.shape[0], carry.shape[1]), logits.new_zeros(
+        aux.shape[0], logits.shape[1])  # fmt: skip
+    full_carry[s:], full_logits[s:] = carry, logits
+    return full_carry, full_logits, cache

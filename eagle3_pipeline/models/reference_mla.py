@@ -68,21 +68,28 @@ class MlaReferenceDraft(ReferenceDraft):
         q = self._queries(x).view(T, H, self.nope + self.rope_dim).transpose(0, 1)
         cos, sin = cos_sin(positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         q = torch.cat([q[..., : self.nope], rope_interleaved(q[..., self.nope :], cos, sin)], dim=-1)
-        kv_a = x @ self.wkv_a.T
-        latent = _rms_norm(kv_a[:, : self.latent], self.n_kv_a, self.eps)
-        k_pe = rope_interleaved(kv_a[:, self.latent :], cos, sin)  # [T, rope], shared by the heads
-        kv = (latent @ self.wkv_b.T).view(T, H, self.nope + self.v_dim).transpose(0, 1)
-        k = torch.cat([kv[..., : self.nope], k_pe.expand(H, T, self.rope_dim)], dim=-1)
-        v = kv[..., self.nope :]
         past = 0 if cache is None else cache.k.shape[1]
-        if cache is not None:
-            k, v = torch.cat([cache.k, k], dim=1), torch.cat([cache.v, v], dim=1)
+        new = self._keys_values(x, positions)
+        new = new if cache is None else cache.then(new)
+        k, v = new.k, new.v
         scale = (self.nope + self.rope_dim) ** -0.5 * rope_scaling.mla_softmax_factor(self.rope_scaling)
         scores = (q @ k.transpose(1, 2)) * scale
         allowed = torch.ones(T, past + T, dtype=torch.bool).tril(diagonal=past)
         scores = scores.masked_fill(~allowed, float("-inf"))
         a = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * self.v_dim) @ self.wo.T
-        return a, KVCache(k, v)
+        return a, new
+
+
+    def _keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> KVCache:
+        """Per-head keys (k_nope | the shared rotated k_pe) and values [heads, T, .] of new slots x."""
+        T, H = x.shape[0], self.heads
+        cos, sin = cos_sin(positions, self.rope_dim, self.rope_theta, self.rope_scaling)
+        kv_a = x @ self.wkv_a.T
+        latent = _rms_norm(kv_a[:, : self.latent], self.n_kv_a, self.eps)
+        k_pe = rope_interleaved(kv_a[:, self.latent :], cos, sin)  # [T, rope], shared by the heads
+        kv = (latent @ self.wkv_b.T).view(T, H, self.nope + self.v_dim).transpose(0, 1)
+        k = torch.cat([kv[..., : self.nope], k_pe.expand(H, T, self.rope_dim)], dim=-1)
+        return KVCache(k, kv[..., self.nope :])
 
 
 def read_export(export_dir: Path, embed_tokens: torch.Tensor) -> ReferenceDraft:
