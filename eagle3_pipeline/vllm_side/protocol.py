@@ -21,6 +21,8 @@ MARK = "@@eagle3 "  # the prefix of every answer line on the worker's stdout (vL
 # DataLoader worker, a render process) still holds a copy of the client's end of the pipe or socket.
 CLOSE = '{"close": true}'
 # The settings an engine is built from: a request with other values needs another engine
+# an engine's length when a request gives none: max(this, its longest prompt + max_new_tokens + k + 1)
+DEFAULT_MAX_MODEL_LEN = 512
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
                "engine_overrides", "draft_sample_method", "parallel_drafting", "vision")  # fmt: skip
@@ -88,6 +90,9 @@ def load_request(path: str) -> dict:
     for key in ("max_model_len", "seed", "tensor_parallel_size"):
         if key in req and req[key] is not None and not _is_int(req[key]):
             raise RequestError(f"{key} must be an int")
+    if not req.get("max_model_len"):  # filled here, so that a longer request's engine has a key of its own
+        needed = max(map(len, prompts)) + req["max_new_tokens"] + req["num_speculative_tokens"] + 1
+        req["max_model_len"] = max(DEFAULT_MAX_MODEL_LEN, needed)
     for key in ("trust_remote_code", "enforce_eager", "ignore_eos", "parallel_drafting"):
         if key in req and not isinstance(req[key], bool):
             raise RequestError(f"{key} must be true or false")

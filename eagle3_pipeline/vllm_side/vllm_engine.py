@@ -309,7 +309,7 @@ def generate(
     return merge_bucket_results(len(prompts), parts)
 
 
-MIN_MAX_MODEL_LEN = 512  # the worker's DEFAULT_MAX_MODEL_LEN (vllm_side/worker.py)
+MIN_MAX_MODEL_LEN = protocol.DEFAULT_MAX_MODEL_LEN
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 BY_PROMPT_UNIT = "whole requests by prompt length (vLLM's counters are totals per call)"
 

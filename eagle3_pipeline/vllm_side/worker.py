@@ -69,7 +69,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout clean
 
-DEFAULT_MAX_MODEL_LEN = 512
 
 METRIC_DRAFTS = "vllm:spec_decode_num_drafts"
 METRIC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -194,10 +193,7 @@ def engine_kwargs(req: dict) -> dict:
 
     k = req["num_speculative_tokens"]
     draft = req.get("draft")
-    max_model_len = req.get("max_model_len")
-    if not max_model_len:
-        needed = max(len(p) for p in req["prompts"]) + req["max_new_tokens"] + k + 1
-        max_model_len = max(DEFAULT_MAX_MODEL_LEN, needed)
+    max_model_len = req["max_model_len"]  # protocol.load_request fills its default
     seed = req.get("seed")
     kwargs = dict(
         model=req["verifier"],
