@@ -194,6 +194,7 @@ def measure(
     """Every draft at every setting over the rows: {draft: {setting: summary}}; `done(partial)` after
     each row."""
     from eagle3_pipeline.models.acceptance import AcceptanceCounts, Sampling, simulate_sequence, trace_length
+    from eagle3_pipeline.models.reference_mla import read_export
     from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
                                                   load_verifier_tensors, verifier_facts)  # fmt: skip
 
@@ -201,8 +202,6 @@ def measure(
     verifier = work / "verifier"
     facts = verifier_facts(verifier)
     embed = load_verifier_tensors(verifier, facts.tie_word_embeddings)["embed_tokens"]
-    from eagle3_pipeline.models.reference_mla import read_export
-
     refs = {name: read_export(path, embed) for name, path in drafts.items()}
     model = load_verifier_model(verifier, torch.float32, False)
     estimate: dict[str, float] = {}

@@ -79,7 +79,6 @@ class MlaReferenceDraft(ReferenceDraft):
         a = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * self.v_dim) @ self.wo.T
         return a, new
 
-
     def _keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> KVCache:
         """Per-head keys (k_nope | the shared rotated k_pe) and values [heads, T, .] of new slots x."""
         T, H = x.shape[0], self.heads

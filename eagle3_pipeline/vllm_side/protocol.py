@@ -20,9 +20,9 @@ MARK = "@@eagle3 "  # the prefix of every answer line on the worker's stdout (vL
 # The client's last line. End of input alone does not end a session while a process the client forked (a
 # DataLoader worker, a render process) still holds a copy of the client's end of the pipe or socket.
 CLOSE = '{"close": true}'
-# The settings an engine is built from: a request with other values needs another engine
-# an engine's length when a request gives none: max(this, its longest prompt + max_new_tokens + k + 1)
+# an engine's length when a request gives none: default_max_model_len
 DEFAULT_MAX_MODEL_LEN = 512
+# The settings an engine is built from: a request with other values needs another engine
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
                "engine_overrides", "draft_sample_method", "parallel_drafting", "vision")  # fmt: skip
@@ -91,8 +91,8 @@ def load_request(path: str) -> dict:
         if key in req and req[key] is not None and not _is_int(req[key]):
             raise RequestError(f"{key} must be an int")
     if not req.get("max_model_len"):  # filled here, so that a longer request's engine has a key of its own
-        needed = max(map(len, prompts)) + req["max_new_tokens"] + req["num_speculative_tokens"] + 1
-        req["max_model_len"] = max(DEFAULT_MAX_MODEL_LEN, needed)
+        k = req["num_speculative_tokens"]
+        req["max_model_len"] = default_max_model_len(prompts, req["max_new_tokens"], k)
     for key in ("trust_remote_code", "enforce_eager", "ignore_eos", "parallel_drafting"):
         if key in req and not isinstance(req[key], bool):
             raise RequestError(f"{key} must be true or false")
@@ -128,6 +128,12 @@ def _check_images(req: dict, prompts: list) -> None:
         raise RequestError("vision must be true or false, and true when prompts have images")
     if any_image and not (_is_int(req.get("image_token_id")) and req["image_token_id"] >= 0):
         raise RequestError("image_token_id must be a non-negative int (an image's tokens) with images")
+
+
+def default_max_model_len(prompts: list, max_new_tokens: int, k: int) -> int:
+    """An engine long enough for every prompt, its new tokens and the last step's k drafts (at least
+    DEFAULT_MAX_MODEL_LEN)."""
+    return max(DEFAULT_MAX_MODEL_LEN, max(map(len, prompts)) + max_new_tokens + k + 1)
 
 
 def engine_key(req: dict) -> str:

@@ -297,7 +297,7 @@ def generate(
         verifier, draft, prompts, max_new_tokens, k, trust_remote_code, draft_sample_method
     )
     # one engine for every bucket: sized for the longest request, as the worker sizes a single call
-    fields["max_model_len"] = max(MIN_MAX_MODEL_LEN, max(map(len, prompts)) + max_new_tokens + k + 1)
+    fields["max_model_len"] = protocol.default_max_model_len(prompts, max_new_tokens, k)
     groups = prompt_buckets(prompts)
     with WorkerSession(python) as session:
         parts = [
@@ -309,7 +309,6 @@ def generate(
     return merge_bucket_results(len(prompts), parts)
 
 
-MIN_MAX_MODEL_LEN = protocol.DEFAULT_MAX_MODEL_LEN
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 BY_PROMPT_UNIT = "whole requests by prompt length (vLLM's counters are totals per call)"
 
