@@ -237,9 +237,9 @@ def test_the_vllm_prompt_of_an_expanded_image_prompt_has_one_placeholder_per_ima
 
 
 def test_a_longer_request_without_max_model_len_asks_for_an_engine_of_its_length(tmp_path):
-    """protocol.load_request fills the default max_model_len (max(512, longest prompt + max_new_tokens + k +
-    1)) before the engine key is taken: a worker whose engine a 320-token request sized at 512 served a
-    later 460-token request of 64 new tokens in it, cut at 512 (found serving one prompt per call)."""
+    """protocol.load_request fills the default max_model_len (max(512, longest prompt + max_new_tokens +
+    2 (k + 1))) before the engine key is taken: a worker whose engine a 320-token request sized at 512
+    served a later 460-token request of 64 new tokens in it, cut at 512 (found serving one prompt per call)."""
     from eagle3_pipeline.vllm_side.protocol import engine_key, load_request
 
     def load(prompt_len: int, **fields):
@@ -251,7 +251,7 @@ def test_a_longer_request_without_max_model_len_asks_for_an_engine_of_its_length
         return load_request(str(path))
 
     short, longer = load(320), load(460)
-    assert (short["max_model_len"], longer["max_model_len"]) == (512, 460 + 64 + 3 + 1)
+    assert (short["max_model_len"], longer["max_model_len"]) == (512, 460 + 64 + 2 * (3 + 1))
     assert engine_key(short) != engine_key(longer)
     assert engine_key(load(300)) == engine_key(short)  # both fit the default length: one engine
     assert load(460, max_model_len=2048)["max_model_len"] == 2048  # a given one is kept

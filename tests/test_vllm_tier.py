@@ -16,7 +16,7 @@ import pytest
 from conftest import CONVERSATIONS, TIER_CONFIGS, run_script, script, vllm_available
 from sabotage import SABOTAGES
 
-from eagle3_pipeline.vllm_side import vllm_engine
+from eagle3_pipeline.vllm_side import protocol, vllm_engine
 
 OK, WHY = vllm_available()  # probed once per session (conftest)
 if not OK:
@@ -129,6 +129,8 @@ def generate_in(
     fields = vllm_engine.generate_fields(
         verifier, draft, prompts, MAX_NEW_TOKENS, K, False, draft_sample_method
     )
+    # the shortest engine that leaves speculation alone: the longest request ends near its length limit
+    fields["max_model_len"] = protocol.untouched_length(prompts, MAX_NEW_TOKENS, K)
     return [worker.request({**fields, **vllm_engine.sampling_fields(s, len(prompts))}) for s in samplings]
 
 

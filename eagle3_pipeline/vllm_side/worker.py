@@ -16,7 +16,7 @@ refused. Stops at SIGTERM.
 REQ.json (protocol.load_request checks it):
     {"verifier": dir, "draft": dir or null, "prompts": [[token ids], ...],
      "max_new_tokens": int, "num_speculative_tokens": int, "dtype": "float32"}
-Optional keys: "max_model_len" (default max(512, longest prompt + max_new_tokens + k + 1)),
+Optional keys: "max_model_len" (default protocol.default_max_model_len: 2 (k + 1) past the longest request),
 "seed" (default 0), "trust_remote_code" (default false), "tensor_parallel_size" (default 1),
 "enforce_eager" (default true: no torch.compile, the fastest start-up on CPU); sampling:
 "ignore_eos" (default true: acceptance runs generate exactly max_new_tokens), "stop_token_ids"
