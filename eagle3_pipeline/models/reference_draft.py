@@ -152,10 +152,8 @@ class ReferenceDraft:
         self, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
     ) -> tuple[torch.Tensor, KVCache]:
         """One decoder-layer pass for new slots [T]; they attend to `cache` then causally to themselves."""
-        e = self.embed[tokens]
-        hn = _rms_norm(g, self.n_hidden, self.eps)
+        x, hn = attention_input(self, g, tokens)
         residual = hn if self.norm_before_residual else g
-        x = torch.cat([_rms_norm(e, self.n_in, self.eps), hn], dim=-1)
         a, new_cache = self._attention(x, positions, cache)
         h1 = a + residual
         m = _rms_norm(h1, self.n_post, self.eps)
@@ -242,6 +240,15 @@ class ReferenceDraft:
         return self.logits(out)
 
 
+def attention_input(
+    draft: ReferenceDraft, g: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's attention input of new slots, x = cat(input_layernorm(embeds), hidden_norm(g)) [T, 2H],
+    and hidden_norm(g) (the residual under norm_before_residual)."""
+    hn = _rms_norm(g, draft.n_hidden, draft.eps)
+    return torch.cat([_rms_norm(draft.embed[tokens], draft.n_in, draft.eps), hn], dim=-1), hn
+
+
 def tail_first_pass(
     draft: ReferenceDraft, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, s: int
 ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
@@ -251,12 +258,11 @@ def tail_first_pass(
     in the slots before s: a request's rounds read first-pass slots from its prompt's last one on, which
     makes a long prompt's simulation affordable."""
     d = draft
-    x = torch.cat([_rms_norm(d.embed[next_tokens[:s]], d.n_in, d.eps),
-                   _rms_norm(d.combine(aux[:s]), d.n_hidden, d.eps)], dim=-1)  # fmt: skip
+    x, _ = attention_input(d, d.combine(aux[:s]), next_tokens[:s])
     head = d._keys_values(x, positions[:s])
     out, cache = d._layer(d.combine(aux[s:]), next_tokens[s:], positions[s:], head)
     carry, logits = d._carry(out), d.logits(out)
-    full_carry, full_logits = carry.new_zeros(aux.shape[0], carry.shape[1]), logits.new_zeros(
-        aux.shape[0], logits.shape[1])  # fmt: skip
+    full_carry = carry.new_zeros(aux.shape[0], carry.shape[1])
+    full_logits = logits.new_zeros(aux.shape[0], logits.shape[1])
     full_carry[s:], full_logits[s:] = carry, logits
     return full_carry, full_logits, cache
