@@ -70,11 +70,14 @@ from eagle3_pipeline.core.config import SERVED_MODES
 K = 3  # the headline k; the --ks are all evaluated (the long contexts at K only)
 SERVED_KS = (3, 5, 8)  # every k the benchmark serves or simulates (8: a parallel draft's deepest, issue 27)
 DEFAULT_KS = (3, 5)  # --ks unless given
-DATASETS = ("given", "regenerated", "regenerated_t1", "regenerated_t1x2", "given_regenerated_t1")
-# The data sets made of others' rows, joined in this order: x2 answers every prompt twice at the thinking
-# settings ("several sampled answers per prompt", twice stage 00's cost; regenerated_t1_s1: stage 00 with
-# seed 1), given_regenerated_t1 keeps the given answers beside the thinking ones.
+DATASETS = ("given", "regenerated", "regenerated_t1", "regenerated_t1x2", "regenerated_t1x4",
+            "given_regenerated_t1")  # fmt: skip
+# The data sets made of others' rows, joined in this order: x2 (x4) answers every prompt twice (four times)
+# at the thinking settings ("several sampled answers per prompt", twice (four times) stage 00's cost;
+# regenerated_t1_s<N>: stage 00 with seed N), given_regenerated_t1 keeps the given answers beside the
+# thinking ones.
 JOINED = {"regenerated_t1x2": ("regenerated_t1", "regenerated_t1_s1"),
+          "regenerated_t1x4": ("regenerated_t1", *(f"regenerated_t1_s{n}" for n in (1, 2, 3))),
           "given_regenerated_t1": ("given", "regenerated_t1")}  # fmt: skip
 RECIPES = [f"{recipe}/{ds}" for ds in DATASETS for recipe in ("speculators", "project")]
 HEADLINE = [r for r in RECIPES if r.split("/")[1] not in JOINED]  # the default rows
@@ -91,7 +94,7 @@ DEFAULT_SETTINGS = ["greedy", "thinking", "thinking_prob"]
 # The project's headline rows train with the `[serving] mode` recipe of the mode their data was regenerated
 # for (stage 00 at that mode's sampling); the given conversations with 04_train's defaults.
 RECIPE_MODE = {"regenerated": "greedy", "regenerated_t1": "thinking", "regenerated_t1x2": "thinking",
-               "given_regenerated_t1": "thinking"}  # fmt: skip
+               "regenerated_t1x4": "thinking", "given_regenerated_t1": "thinking"}  # fmt: skip
 SAMPLES_PER_PROMPT = 2  # sampled requests per held-out prompt (seeded draws), unless --samples-per-prompt
 # One factor changed from the project's defaults at a time (and the path from round 2's defaults to them);
 # "speculators 0.9.0 defaults" trains speculators' recipe for the same ablation steps.

@@ -145,13 +145,20 @@ def long_prompt_rows(verifier: Path, size: dict) -> list[dict[str, Any]]:
 
 def verifier_traces(
     model: Any, capture: Any, prompt: list[int], n_tokens: int, seed: int, settings: dict | None = None,
-    keep_probs: bool = False,
+    keep_probs: bool = False, banned: tuple[int, ...] = (),
 ) -> dict[str, tuple]:
     """{setting: (prompt + n_tokens new tokens, aux states of every position but the last)} from one
     prefill: greedy, and sampled at the thinking setting from a copy of the prefill's cache (seeded).
     `settings`: {name: temperature and top_p} (default SETTINGS); `keep_probs`: each tuple also holds p~
-    at every new token's step [n_tokens, V] (None when greedy), the probabilistic draft's accept test."""
+    at every new token's step [n_tokens, V] (None when greedy), the probabilistic draft's accept test.
+    `banned`: token ids never emitted (their logits -inf at every step, as vLLM's `min_tokens` holds back
+    the end tokens), so that a generation runs its whole length."""
     from eagle3_pipeline.models.acceptance import Sampling
+
+    ban = torch.tensor(banned, dtype=torch.long)
+
+    def held(logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_fill(0, ban, float("-inf")) if banned else logits
 
     with torch.no_grad():
         pre = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
@@ -163,6 +170,7 @@ def verifier_traces(
             cache, logits, tokens, aux = copy.deepcopy(pre.past_key_values), pre.logits[0, -1], [], [aux0]
             probs = []
             for i in range(n_tokens):
+                logits = held(logits)
                 if keep_probs and not sampling.greedy:
                     probs.append(sampling.probs(logits))
                 tok = int(logits.argmax()) if sampling.greedy else int(

@@ -17,12 +17,19 @@ stages 01-03 at max_seq_len 1024), and drafts trained on the same rows for the s
                trains a 2,048-token window) on the given conversations, as a speculators user trains and as
                the draft-quality benchmark's baseline (`--speculators-rows regenerated`: on the project's
                rows), for the same epochs of its rows
+  today+given, today+x4, today+long
+               today's recipe on other rows for the same steps (DRAFT_ROWS): the given conversations beside
+               the regenerations, four seeded regenerations of every prompt (stage 00 with seeds 1-3 too),
+               or answers kept whole (stage 00 at LONG_ANSWER new tokens instead of --regen-max-new's 128)
 
 then the simulation (models/acceptance.py, each export read as vLLM reads it) on held-out long prompts
 (export_eval/long_prompts.py: pasted standard-library source with a question, and sessions) of about
 0.5k, 2k, 8k, 16k and 28k tokens, k = 3, greedy and thinking (1.0 / 0.95, drafted probabilistically:
 vLLM's draft_sample_method "probabilistic", the expected acceptance given the trace). Each cell is one
 context bucket (acceptance.context_bucket): AL and its standard error over the bucket's steps.
+`--generation-tokens N` adds long generations, counted apart: short prompts (long_prompts' generation kind)
+whose requests run N new tokens, the end tokens held back as vLLM's `min_tokens` holds them (a 135M model
+ends its answers within a few hundred tokens; a thinking trace runs thousands).
 
 Cost: the verifier's prefill (transformers, KV cache) grows faster than linearly with the prompt and is
 minutes at 16k-28k on these cores; three calibration forwards print each length's estimate first. One
@@ -72,14 +79,19 @@ PROJECT_DRAFTS = {
     "rope+window": ["--rope-scaling", "verifier", "--sliding-window", str(WINDOW)],
     "rope": ["--rope-scaling", "verifier"],
     "today+given": [],
+    "today+x4": [],
+    "today+long": [],
     # the MLA draft configs/kimi_k25.toml trains (draft_quality's MLA row: Kimi-K2.5's proportions on
     # SmolLM2's width), with plain RoPE and with the verifier's yarn
     "mla": dq.ABLATIONS[dq.MLA_ROW],
     "mla+rope": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
 }
-# a project draft's rows when not the thinking regenerations: today's recipe with the given conversations
-# beside them (draft_quality.JOINED), for the same steps
-DRAFT_ROWS = {"today+given": "given_regenerated_t1"}
+# a project draft's rows when not the thinking regenerations (draft_quality.JOINED), for the same steps:
+# today's recipe with the given conversations beside them, on four seeded thinking answers per prompt, or
+# on answers kept whole (LONG: stage 00 at --max-new-tokens LONG_ANSWER instead of --regen-max-new)
+LONG = "regenerated_t1_long"
+LONG_ANSWER = 1024  # = the rows' max_seq_len: each answer ends where the verifier ends it or the row is full
+DRAFT_ROWS = {"today+given": "given_regenerated_t1", "today+x4": "regenerated_t1x4", "today+long": LONG}
 SPECULATORS = "speculators"
 DEFAULT_DRAFTS = ["today", "rope+window", SPECULATORS]
 
@@ -90,13 +102,16 @@ def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
     log, threads = work / "benchmark.log", a.threads
     dq.build_data(work, False, a.num_train, 32)
     real_verifier.build(work / "verifier", YARN_FACTOR)
-    regen = dq.thinking_dir(work, 0)
-    if not (regen / "conversations.jsonl").exists():
-        dq.sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path",
-               str(work / "data/given.jsonl"), "--engine", "vllm", "--max-new-tokens", str(a.regen_max_new),
-               "--max-seq-len", "1024", "--out-dir", str(regen), "--temperature", "1.0", "--top-p", "0.95",
-               "--seed", "0"], log, threads)  # fmt: skip
-    root = _prepared(work, "regenerated_t1", regen / "conversations.jsonl", log, threads)
+    seeds = {s for d in a.drafts for s in dq.thinking_seeds(DRAFT_ROWS.get(d, "regenerated_t1"))} | {0}
+    regens = [(dq.thinking_dir(work, s), s, a.regen_max_new) for s in sorted(seeds)]
+    regens += [(work / "data" / LONG, 0, LONG_ANSWER)] if "today+long" in a.drafts else []
+    for regen, seed, new in regens:
+        if not (regen / "conversations.jsonl").exists():
+            dq.sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path",
+                   str(work / "data/given.jsonl"), "--engine", "vllm", "--max-new-tokens", str(new),
+                   "--max-seq-len", "1024", "--out-dir", str(regen), "--temperature", "1.0",
+                   "--top-p", "0.95", "--seed", str(seed)], log, threads)  # fmt: skip
+    root = _prepared(work, "regenerated_t1", dq.data_source(work, "regenerated_t1"), log, threads)
     steps = dq.planned_steps(root, a.epochs, 1024)
     vcfg = json.loads((work / "verifier" / "config.json").read_text())
     hidden = {"heads": vcfg["num_attention_heads"], "kv_heads": vcfg["num_key_value_heads"],
@@ -135,15 +150,21 @@ def _exported(run: Path, log: Path, threads: int) -> Path:
     return done.parent if done.exists() else dq.export(run, log, threads)
 
 
-def prompt_rows(verifier: Path, max_new: int, lengths: dict[int, int]) -> list[dict[str, Any]]:
+def prompt_rows(verifier: Path, max_new: int, lengths: dict[int, int], generations: tuple[int, int] = (0, 0)
+                ) -> list[dict[str, Any]]:  # fmt: skip
     """Held-out long prompts (document and session kinds alternating) per target length less the room
     of the request: one per length first (the shortest, then the longest first), so that a run cut short
-    holds every bucket, then the others cheapest first."""
+    holds every bucket, then the others cheapest first; then `generations` (tokens, prompts): short
+    prompts whose request runs that many new tokens (long_prompts' generation kind)."""
     from transformers import AutoTokenizer
 
     from eagle3_pipeline.export_eval.long_prompts import build_rows
 
     tok = AutoTokenizer.from_pretrained(str(verifier))
+    tokens, n_gen = generations
+    gen = build_rows(tok, [tokens], n_gen, ("generation",)) if tokens and n_gen else []
+    if not lengths:
+        return gen
     per = {}
     for target, n in lengths.items():
         size = target - lc.room(max_new)
@@ -151,7 +172,7 @@ def prompt_rows(verifier: Path, max_new: int, lengths: dict[int, int]) -> list[d
         sessions = build_rows(tok, [size], n // 2, ("session",))
         per[target] = [r for pair in zip(docs, sessions + [None]) for r in pair if r is not None]
     order = sorted(lengths, key=lambda t: (t != min(lengths), -t))
-    return [per[t][0] for t in order] + [r for t in sorted(lengths) for r in per[t][1:]]
+    return [per[t][0] for t in order] + [r for t in sorted(lengths) for r in per[t][1:]] + gen
 
 
 def forward_seconds(model: Any, lengths: tuple[int, ...] = (1, 512, 2048)) -> list[float]:
@@ -166,26 +187,38 @@ def forward_seconds(model: Any, lengths: tuple[int, ...] = (1, 512, 2048)) -> li
     return times
 
 
-def cost_estimate(times: list[float], lengths: dict[int, int], max_new: int, drafts: int) -> dict[str, float]:
-    """Seconds per length, all its prompts, from forward_seconds' times at 1, 512 and 2048 tokens: the
-    prefill as a T + b T^2 through the last two, each setting's new tokens at the one-token forward's
-    cost, and the drafts' simulation at about 5% of the prefill each (their first pass is one layer)."""
+def cost_estimate(times: list[float], rows: list[dict], max_new: int, drafts: int) -> dict[str, float]:
+    """Seconds per length (`_key`), all its prompts, from forward_seconds' times at 1, 512 and 2048
+    tokens: the prefill as a T + b T^2 through the last two, each setting's new tokens at the one-token
+    forward's cost, and the drafts' simulation at about 5% of the prefill each (their first pass is one
+    layer)."""
     one, t1, t2 = times
     b = max(0.0, (t2 / 2048 - t1 / 512) / (2048 - 512))
     a = t1 / 512 - b * 512
-    out = {}
-    for t, n in lengths.items():
-        prefill = a * t + b * t * t
-        out[str(t)] = round(n * ((1 + 0.05 * drafts) * prefill + len(SETTINGS) * (max_new + K) * one), 1)
+    out: dict[str, float] = {}
+    for r in rows:
+        t = r["prompt_tokens"]
+        row = (1 + 0.05 * drafts) * (a * t + b * t * t) + len(SETTINGS) * (_new(r, max_new) + K) * one
+        out[_key(r, max_new)] = round(out.get(_key(r, max_new), 0.0) + row, 1)
     return out
 
 
 def verifier_traces(
-    model: Any, capture: Any, prompt: list[int], n_tokens: int, seed: int
+    model: Any, capture: Any, prompt: list[int], n_tokens: int, seed: int, banned: tuple[int, ...] = ()
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """long_context.verifier_traces at SETTINGS, with p~ of every sampled token's step (the
-    probabilistic draft's accept test reads it): {setting: (sequence, aux, probs or None)}."""
-    return lc.verifier_traces(model, capture, prompt, n_tokens, seed, SETTINGS, keep_probs=True)
+    probabilistic draft's accept test reads it): {setting: (sequence, aux, probs or None)}; `banned`:
+    the end tokens a generation row holds back."""
+    return lc.verifier_traces(model, capture, prompt, n_tokens, seed, SETTINGS, True, banned)
+
+
+def end_tokens(model: Any) -> tuple[int, ...]:
+    """The ids that end a request (the model's and its generation config's eos_token_id)."""
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        e = getattr(cfg, "eos_token_id", None)
+        ids |= set(e) if isinstance(e, (list, tuple)) else ({e} if e is not None else set())
+    return tuple(sorted(ids))
 
 
 def measure(
@@ -207,27 +240,29 @@ def measure(
     estimate: dict[str, float] = {}
     if not (work / TRACES).exists():  # a run whose traces are (being) made elsewhere prints none
         times = forward_seconds(model)  # before the capture's hooks
-        estimate = cost_estimate(times, _counts(rows, max_new), max_new, len(refs))
+        estimate = cost_estimate(times, rows, max_new, len(refs))
         total = sum(estimate.values())
         print(f"cost estimate (s) per length, all its prompts: {estimate}, total {total:.0f}", flush=True)
     aux_ids = next(iter(refs.values())).aux_layer_ids if refs else None
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers),
                          aux_ids or dq.aux_layer_ids(work, "smollm2"))  # fmt: skip
-    counts = {d: {s: AcceptanceCounts(K) for s in SETTINGS} for d in refs}
+    counts = {d: {_group(s, r): AcceptanceCounts(K) for r in rows for s in SETTINGS} for d in refs}
     cost: dict[str, float] = {}
+    ends = end_tokens(model)
     # rows whose traces are stored first (a stable sort): a row still being made elsewhere is waited for last
     rows = sorted(rows, key=lambda r: not (work / TRACES / f"{r['id']}.pt").exists())
     for i, row in enumerate(rows):
-        prompt = row["token_samples"][0]["prompt_ids"]
-        make = partial(verifier_traces, model, capture, prompt, trace_length(max_new, K), i)
+        prompt, new = row["token_samples"][0]["prompt_ids"], _new(row, max_new)
+        banned = ends if row["kind"] == GENERATION else ()
+        make = partial(verifier_traces, model, capture, prompt, trace_length(new, K), i, banned)
         traces, verifier_s = cached_traces(work, row["id"], make)
         t1 = time.time()
         for name, ref in refs.items():
             for st, (seq, aux, probs) in traces.items():
                 prob = None if probs is None else Sampling(**SETTINGS[st])
-                simulate_sequence(ref, aux, seq, len(prompt), K, counts[name][st], max_new, probs,
+                simulate_sequence(ref, aux, seq, len(prompt), K, counts[name][_group(st, row)], new, probs,
                                   probabilistic=prob, coins=torch.Generator().manual_seed(i))  # fmt: skip
-        key = str(_target(row, max_new))
+        key = _key(row, max_new)
         cost[key] = cost.get(key, 0.0) + verifier_s + time.time() - t1
         print(f"{row['id']}: {len(prompt)} tokens, verifier {verifier_s:.0f}s, "
               f"drafts {time.time() - t1:.0f}s", flush=True)  # fmt: skip
@@ -237,6 +272,7 @@ def measure(
 
 
 TRACES = "traces"  # <work>/traces/<row id>.pt: a row's verifier traces and their seconds
+GENERATION = "generation"  # long_prompts' kind whose length is in its request's new tokens
 
 
 def cached_traces(work: Path, row_id: str, make: Any) -> tuple[dict, float]:
@@ -249,27 +285,38 @@ def cached_traces(work: Path, row_id: str, make: Any) -> tuple[dict, float]:
         time.sleep(5)
     if path.exists():
         stored = torch.load(path)
-        return stored["traces"], stored["seconds"]
+        return {st: tuple(x.to_dense() if x is not None and x.is_sparse else x for x in t)
+                for st, t in stored["traces"].items()}, stored["seconds"]  # fmt: skip
     path.parent.mkdir(exist_ok=True)
     pending.touch()
     t0 = time.time()
     traces = make()
     seconds = time.time() - t0
-    torch.save({"traces": traces, "seconds": seconds}, path.with_suffix(".tmp"))
+    # p~ is zero outside the top-p nucleus: stored sparse (a 4k-token generation's is 0.8 GB dense)
+    kept = {st: (seq, aux, None if probs is None else probs.to_sparse())
+            for st, (seq, aux, probs) in traces.items()}  # fmt: skip
+    torch.save({"traces": kept, "seconds": seconds}, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
     pending.unlink()
     return traces, seconds
 
 
-def _target(row: dict, max_new: int) -> int:
-    return int(row["target_tokens"]) + lc.room(max_new)
+def _new(row: dict, max_new: int) -> int:
+    """A row's new tokens: a generation row's own, else the run's."""
+    return int(row.get("max_new_tokens", max_new))
 
 
-def _counts(rows: list[dict], max_new: int) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for r in rows:
-        out[_target(r, max_new)] = out.get(_target(r, max_new), 0) + 1
-    return out
+def _key(row: dict, max_new: int) -> str:
+    """A row's length in the per-length figures: prompt target + room, or `generation <new tokens>`."""
+    if row["kind"] == GENERATION:
+        return f"{GENERATION} {row['max_new_tokens']}"
+    return str(int(row["target_tokens"]) + lc.room(max_new))
+
+
+def _group(setting: str, row: dict) -> str:
+    """A row's counters: the setting's, or `<setting>, generation` (long generations are kept apart from
+    long prompts, whose steps fall in the same context buckets)."""
+    return f"{setting}, {GENERATION}" if row["kind"] == GENERATION else setting
 
 
 def _results(counts: dict, cost: dict[str, float], rows_done: int, estimate: dict[str, float]) -> dict:
@@ -328,13 +375,15 @@ def bucket_ratio(a: dict, b: dict) -> dict[str, float]:
 
 
 def comparisons(results: dict) -> dict[str, Any]:
-    """Per setting: each draft's farthest bucket over its nearest, and per bucket each project draft over
-    speculators' and over today's."""
+    """Per setting (and per setting over the long generations): each draft's farthest bucket over its
+    nearest, and per bucket each project draft over speculators' and over today's."""
     out: dict[str, Any] = {}
-    for st in SETTINGS:
+    for st in next(iter(results.values()), {}):
         by = {d: {b["context"]: b for b in results[d][st]["acceptance_by_context"]["buckets"]}
               for d in results}  # fmt: skip
         ctxs = list(next(iter(by.values())))
+        if not ctxs:  # a group none of whose rows is measured yet (the JSON is written after each row)
+            continue
         far = {d: bucket_ratio(v[ctxs[-1]], v[ctxs[0]]) for d, v in by.items() if len(v) > 1}
         vs = {f"{d} / {o}": {c: bucket_ratio(by[d][c], by[o][c]) for c in ctxs if c in by[d] and c in by[o]}
               for d in PROJECT_DRAFTS for o in (SPECULATORS, "today")
@@ -343,9 +392,10 @@ def comparisons(results: dict) -> dict[str, Any]:
     return out
 
 
-def table(results: dict) -> list[str]:
-    """Markdown: context | per draft, greedy and thinking AL ± SE (drafts)."""
-    cols = [(d, s) for d in results for s in SETTINGS]
+def table(results: dict, group: str | None = None) -> list[str]:
+    """Markdown: context | per draft, greedy and thinking AL ± SE (drafts), over the long prompts or
+    (`group` GENERATION) the long generations."""
+    cols = [(d, s if group is None else f"{s}, {group}") for d in results for s in SETTINGS]
     lines = ["| context | " + " | ".join(f"{d}, {s}" for d, s in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     ctxs = [b["context"] for b in results[cols[0][0]][cols[0][1]]["acceptance_by_context"]["buckets"]]
     for ctx in ctxs:
@@ -381,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per measured request")
     p.add_argument("--per-length", type=int, nargs=len(LENGTHS), default=list(LENGTHS.values()),
                    help=f"prompts at most per length {list(LENGTHS)}")
+    p.add_argument("--generation-tokens", type=int, default=0,
+                   help="also measure long generations: short prompts whose requests run this many new "
+                        "tokens (the end tokens held back, as vLLM's min_tokens does), counted apart")
+    p.add_argument("--generation-prompts", type=int, default=2, help="prompts of --generation-tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--traces-only", action="store_true",
                    help="only the verifier's traces (stored in the work dir): run beside a training")
@@ -394,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t1 = time.time()
     lengths = {t: n for t, n in zip(LENGTHS, a.per_length) if n > 0}
-    rows = prompt_rows(a.work_dir / "verifier", a.max_new_tokens, lengths)
+    rows = prompt_rows(a.work_dir / "verifier", a.max_new_tokens, lengths,
+                       (a.generation_tokens, a.generation_prompts))  # fmt: skip
 
     def write(m: dict) -> dict:
         report = {
@@ -402,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             "drafts": {d: PROJECT_DRAFTS.get(d, "speculators 0.9.0 defaults") for d in drafts},
             "speculators_rows": a.speculators_rows, "num_train": a.num_train, "epochs": a.epochs,
             "max_new_tokens": a.max_new_tokens,
-            "prompts": [{"id": r["id"], "tokens": r["prompt_tokens"]} for r in rows],
+            "prompts": [{"id": r["id"], "tokens": r["prompt_tokens"], "new_tokens": _new(r, a.max_new_tokens)}
+                        for r in rows],  # fmt: skip
             **m, "comparisons": comparisons(m["results"]),
             "seconds": {"build": round(t1 - t0, 1), "measure": round(time.time() - t1, 1)},
             "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
@@ -415,13 +471,16 @@ def main(argv: list[str] | None = None) -> int:
         measure(a.work_dir, {}, rows, a.max_new_tokens, a.threads, lambda m: None)
         return 0
     report = write(measure(a.work_dir, drafts, rows, a.max_new_tokens, a.threads, write))
-    if a.vllm_draft in drafts:
+    prompts_only = [r for r in rows if r["kind"] != GENERATION]  # one request length per generate call
+    if a.vllm_draft in drafts and prompts_only:
         sim = report["results"][a.vllm_draft]["greedy"]
-        served = vllm_agreement(a.work_dir, drafts[a.vllm_draft], rows, a.max_new_tokens, sim)
+        served = vllm_agreement(a.work_dir, drafts[a.vllm_draft], prompts_only, a.max_new_tokens, sim)
         report["vllm_agreement"] = served
         a.out.write_text(json.dumps(report, indent=1) + "\n")
         print(json.dumps(report["vllm_agreement"], indent=1))
-    print("\n".join(table(report["results"])))
+    groups = {st.partition(", ")[2] or None for st in next(iter(report["results"].values()), {})}
+    for group in sorted(groups, key=str):
+        print("\n".join(table(report["results"], group)))
     print(json.dumps(report["comparisons"], indent=1))
     return 0
 

@@ -227,7 +227,7 @@ def test_joined_data_sets_keep_their_parts_in_order_with_unique_ids(tmp_path):
     assert not any(r.endswith("/regenerated_t1x2") for r in dq.HEADLINE)
     assert dq.needed_datasets(["project/regenerated_t1x2"], None, False, False) == ["regenerated_t1x2"]
     assert dq.thinking_dir(tmp_path, 0) == tmp_path / "data/regenerated_t1"
-    assert [dq.thinking_seeds(ds) for ds in dq.DATASETS] == [[], [], [0], [0, 1], [0]]
+    assert [dq.thinking_seeds(ds) for ds in dq.DATASETS] == [[], [], [0], [0, 1], [0, 1, 2, 3], [0]]
     for seed in (0, 1):
         d = dq.thinking_dir(tmp_path, seed)
         d.mkdir(parents=True)

@@ -128,3 +128,57 @@ def test_vllm_agreement_needs_the_traces_outputs_and_equal_counters_in_every_buc
     assert not off_trace["agree"] and off_trace["first_mismatch"] == 2
     moved = lcs.agreement(sim, served(near_accepted=4, far_accepted=0), reference)
     assert not moved["agree"] and moved["lossless_requests"] == "3/3"
+
+
+def test_long_generation_traces_hold_back_the_end_tokens_and_store_p_sparse(tiny_run, tmp_path):
+    """A long-generation row's traces never emit a held-back token (its logit -inf at every step, as vLLM's
+    min_tokens), with p~ zero there, while the same trace without it does emit it; the stored traces keep
+    p~ sparse and read back equal to what was made."""
+    from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
+                                                  verifier_facts)  # fmt: skip
+
+    lcs = _load("long_context_smollm2")
+    verifier = tiny_run / "verifier"
+    facts = verifier_facts(verifier)
+    model = load_verifier_model(verifier, torch.float32, False)
+    capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers), [1, 2, 3])
+    prompt, n = [5, 17, 99, 3, 42], 24
+    free = lcs.verifier_traces(model, capture, prompt, n, 0)
+    held = sorted({int(t) for t in free["greedy"][0][len(prompt):]})[:2]  # tokens the free trace emits
+    banned = lcs.verifier_traces(model, capture, prompt, n, 0, tuple(held))
+    for st, (seq, aux, probs) in banned.items():
+        assert seq.numel() == len(prompt) + n and aux.shape[0] == len(prompt) + n - 1
+        assert not set(seq[len(prompt):].tolist()) & set(held), st
+        if probs is not None:
+            assert probs.shape[0] == n and torch.all(probs[:, held] == 0)
+    assert lcs.end_tokens(model) and all(isinstance(t, int) for t in lcs.end_tokens(model))
+
+    made, seconds = lcs.cached_traces(tmp_path, "long-generation-24-0", lambda: banned)
+    stored = torch.load(tmp_path / lcs.TRACES / "long-generation-24-0.pt")["traces"]["thinking_prob"][2]
+    assert stored.is_sparse and stored._nnz() < stored.numel()
+    again, again_s = lcs.cached_traces(tmp_path, "long-generation-24-0", lambda: pytest.fail("made twice"))
+    assert again_s == seconds
+    for st in banned:
+        for x, y in zip(banned[st], again[st]):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_generation_rows_are_counted_apart_and_keyed_by_their_new_tokens():
+    lcs = _load("long_context_smollm2")
+    gen = {"kind": "generation", "max_new_tokens": 4096, "target_tokens": 4096, "prompt_tokens": 80}
+    doc = {"kind": "document", "target_tokens": 437, "prompt_tokens": 437}
+    assert (lcs._new(gen, 64), lcs._new(doc, 64)) == (4096, 64)
+    assert (lcs._key(gen, 64), lcs._key(doc, 64)) == ("generation 4096", str(437 + 64 + 3 + 8))
+    assert (lcs._group("greedy", gen), lcs._group("greedy", doc)) == ("greedy, generation", "greedy")
+    # the cost estimate charges a generation row its own new tokens: 4096 + k one-token forwards a setting
+    est = lcs.cost_estimate([0.01, 1.0, 4.0], [gen, doc], 64, 0)
+    assert est["generation 4096"] == pytest.approx(80 / 512 * 1.0 + 2 * (4096 + 3) * 0.01, rel=0.05)
+    assert est[str(437 + 75)] < est["generation 4096"]
+    # a group none of whose rows is measured yet has no buckets and no comparison (the JSON is rewritten
+    # after each row)
+    one = {"context": "0-1k", "mean_acceptance_length": 1.5, "standard_error": 0.05}
+    results = {d: {"greedy": {"acceptance_by_context": {"buckets": [one]}},
+                   "greedy, generation": {"acceptance_by_context": {"buckets": []}}}
+               for d in ("today", "speculators")}  # fmt: skip
+    out = lcs.comparisons(results)
+    assert list(out) == ["greedy"] and out["greedy"]["today / speculators"]["0-1k"]["ratio"] == 1.0
