@@ -22,7 +22,7 @@
    instant mode (0.6 / 0.95, `instant`, `instant_prob`), at k = 3 and k = 5 (`--vllm-ks`), with this
    project's simulation of the same (its predicted AL; sampled: the exact expectation) beside.
    `regenerated_t1` is the given rows regenerated at the thinking settings instead of greedy
-   (on request, `--steps` for equal steps: `regenerated_t1x2`, two seeded answers to every prompt;
+   (on request, `--steps` for equal steps: `regenerated_t1x2` / `x4`, 2 / 4 seeded answers to each prompt;
    `given_regenerated_t1`, the given rows beside the thinking answers). Two
    prompt sets: the 64 short held-out prompts, and 16 long ones (`long`: 1.8k-2k tokens of held-out
    multi-turn history before the question; k = 3).
@@ -660,7 +660,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a subset of the ablation rows (whole names, else prefixes)")
     p.add_argument("--headline", nargs="+", default=HEADLINE, choices=RECIPES, metavar="RECIPE/DATA",
                    help=f"the headline rows to train and serve (default: {' '.join(HEADLINE)}; also "
-                        "*/regenerated_t1x2: two seeded thinking answers to every prompt; "
+                        "*/regenerated_t1x2, x4: two, four seeded thinking answers to every prompt; "
                         "*/given_regenerated_t1: the given rows and the thinking answers)")
     p.add_argument("--ks", nargs="+", type=int, default=list(DEFAULT_KS), choices=SERVED_KS,
                    help="the k simulated for every row (ablation rows: K only unless --ablations-every-k); "
