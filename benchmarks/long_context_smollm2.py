@@ -28,8 +28,9 @@ then the simulation (models/acceptance.py, each export read as vLLM reads it) on
 vLLM's draft_sample_method "probabilistic", the expected acceptance given the trace). Each cell is one
 context bucket (acceptance.context_bucket): AL and its standard error over the bucket's steps.
 `--generation-tokens N` adds long generations, counted apart: short prompts (long_prompts' generation kind)
-whose requests run N new tokens, the end tokens held back as vLLM's `min_tokens` holds them (a 135M model
-ends its answers within a few hundred tokens; a thinking trace runs thousands).
+whose requests run N new tokens, the end tokens held back as vLLM's `min_tokens` holds them (a thinking
+trace runs thousands). SmolLM2-135M's own such text loops (greedy) or turns incoherent (1.0 / 0.95) within
+a few hundred tokens (docs/results.md): for a verifier that writes long text.
 
 Cost: the verifier's prefill (transformers, KV cache) grows faster than linearly with the prompt and is
 minutes at 16k-28k on these cores; three calibration forwards print each length's estimate first. One
