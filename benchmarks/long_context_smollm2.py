@@ -213,15 +213,6 @@ def verifier_traces(
     return lc.verifier_traces(model, capture, prompt, n_tokens, seed, SETTINGS, True, banned)
 
 
-def end_tokens(model: Any) -> tuple[int, ...]:
-    """The ids that end a request (the model's and its generation config's eos_token_id)."""
-    ids: set[int] = set()
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        e = getattr(cfg, "eos_token_id", None)
-        ids |= set(e) if isinstance(e, (list, tuple)) else ({e} if e is not None else set())
-    return tuple(sorted(ids))
-
-
 def measure(
     work: Path, drafts: dict[str, Path], rows: list[dict], max_new: int, threads: int, done: Any
 ) -> dict:
@@ -249,7 +240,11 @@ def measure(
                          aux_ids or dq.aux_layer_ids(work, "smollm2"))  # fmt: skip
     counts = {d: {_group(s, r): AcceptanceCounts(K) for r in rows for s in SETTINGS} for d in refs}
     cost: dict[str, float] = {}
-    ends = end_tokens(model)
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.regenerate import end_token_ids
+
+    ends = tuple(end_token_ids(verifier, AutoTokenizer.from_pretrained(str(verifier))))  # stage 00's
     # rows whose traces are stored first (a stable sort): a row still being made elsewhere is waited for last
     rows = sorted(rows, key=lambda r: not (work / TRACES / f"{r['id']}.pt").exists())
     for i, row in enumerate(rows):
