@@ -218,6 +218,9 @@ def measure(
 ) -> dict:
     """Every draft at every setting over the rows: {draft: {setting: summary}}; `done(partial)` after
     each row."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.regenerate import end_token_ids
     from eagle3_pipeline.models.acceptance import AcceptanceCounts, Sampling, simulate_sequence, trace_length
     from eagle3_pipeline.models.reference_mla import read_export
     from eagle3_pipeline.models.verifier import (AuxCapture, find_decoder_layers, load_verifier_model,
@@ -240,10 +243,6 @@ def measure(
                          aux_ids or dq.aux_layer_ids(work, "smollm2"))  # fmt: skip
     counts = {d: {_group(s, r): AcceptanceCounts(K) for r in rows for s in SETTINGS} for d in refs}
     cost: dict[str, float] = {}
-    from transformers import AutoTokenizer
-
-    from eagle3_pipeline.data.regenerate import end_token_ids
-
     ends = tuple(end_token_ids(verifier, AutoTokenizer.from_pretrained(str(verifier))))  # stage 00's
     # rows whose traces are stored first (a stable sort): a row still being made elsewhere is waited for last
     rows = sorted(rows, key=lambda r: not (work / TRACES / f"{r['id']}.pt").exists())
