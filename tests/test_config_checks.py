@@ -201,6 +201,7 @@ CHECKED_VALUES = {
         shlex.join
     ),
     "head_dim": st.integers(1, 2**62).map(lambda n: 2 * n),  # even (RoPE rotates pairs)
+    "variant": st.from_regex(r"[A-Za-z0-9_.-]{1,16}", fullmatch=True),  # a name that goes into sample ids
     # none, verifier, or a JSON yarn table: factor > 1 over an integer length, betas or both mscales
     "rope_scaling": st.sampled_from(["none", "verifier"]) | st.builds(
         lambda f, n, extra: json.dumps({"rope_type": "yarn", "factor": f, "original_max_position_embeddings": n,

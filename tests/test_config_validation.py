@@ -35,7 +35,7 @@ CLASSES: dict[str, type] = {**STAGE_CONFIGS, "plan": PlanOptions}
 BOUND_KEYS = ("ge", "gt", "le", "lt")
 # a value each field with a free-form `check` refuses (a new such field must add one here)
 BAD_CHECKED = {"loss": "nope", "servers": ["localhost"], "transfer_args": "--path 'unclosed", "head_dim": 65,
-               "rope_scaling": "yarn"}
+               "rope_scaling": "yarn", "variant": "seed 1"}
 
 
 def _flag(name: str) -> str:

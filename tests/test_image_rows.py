@@ -267,7 +267,7 @@ class PixelSpy:
     def image_inputs(self, images, urls):  # as the transformers generator gives them
         return images.model_inputs(urls, self.model)
 
-    def generate(self, prompts, max_new, image_inputs=None):
+    def generate(self, prompts, max_new, seeds, image_inputs=None):
         self.seen.extend(x or {} for x in image_inputs or [None] * len(prompts))
         return [([ord("o"), ord("k"), self.end], "stop") for _ in prompts]
 

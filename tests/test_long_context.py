@@ -181,3 +181,38 @@ def test_generation_rows_are_counted_apart_and_keyed_by_their_new_tokens():
                for d in ("today", "speculators")}  # fmt: skip
     out = lcs.comparisons(results)
     assert list(out) == ["greedy"] and out["greedy"]["today / speculators"]["0-1k"]["ratio"] == 1.0
+
+
+def test_kimi_shaped_verifier_takes_its_own_mla_dims_draft_width_and_layers(tiny_run, tmp_path):
+    """--verifier kimi-mla: the MLA drafts take the MLA verifier's dims (no SmolLM2 --mla-* flag), the draft
+    long_context.py's width and every layer of the three; a work dir of the other verifier is refused; the
+    given-rows draft is compared with the draft it adds rows to."""
+    import json
+
+    lcs = _load("long_context_smollm2")
+    work = tmp_path / "work"
+    (work / "verifier").mkdir(parents=True)
+    vcfg = json.loads((tiny_run / "verifier" / "config.json").read_text())
+    (work / "verifier" / "config.json").write_text(json.dumps(vcfg))
+    assert lcs.verifier_kind(work / "verifier") == lcs.KIMI and lcs.aux_layer_ids(work) == [1, 2, 3]
+    kimi = lcs.draft_flags("mla+rope+given", vcfg)
+    assert kimi == ["--draft-arch", "mla", "--no-norm-before-fc", "--rope-scaling", "verifier"]
+    smol = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "intermediate_size": 1536}  # fmt: skip
+    assert lcs.draft_flags("mla+rope", smol)[:3] == ["--draft-arch", "mla", "--mla-q-lora-rank"]
+    assert lcs.draft_flags("mla+rope", smol)[-2:] == ["--rope-scaling", "verifier"]
+    assert lcs.draft_flags("today+given", vcfg) == []
+    assert lcs.draft_width(vcfg) == {"heads": 4, "kv_heads": 4, "intermediate": 3 * vcfg["hidden_size"]}
+    assert lcs.draft_width(smol) == {"heads": 9, "kv_heads": 3, "intermediate": 1536}
+    with pytest.raises(SystemExit, match="not smollm2"):
+        lcs.build_verifier(work, "smollm2", {}, 1)
+
+    def bucket(al):
+        return {"context": "0-1k", "mean_acceptance_length": al, "standard_error": 0.05}
+
+    results = {d: {"greedy": {"acceptance_by_context": {"buckets": [bucket(al)]}}}
+               for d, al in (("mla+rope", 1.5), ("mla+rope+given", 1.8), ("speculators", 1.2))}  # fmt: skip
+    vs = lcs.comparisons(results)["greedy"]
+    assert vs["mla+rope+given / mla+rope"]["0-1k"]["ratio"] == pytest.approx(1.2)
+    assert vs["mla+rope+given / speculators"]["0-1k"]["ratio"] == pytest.approx(1.5)
+    assert "mla+rope / mla+rope" not in vs and "mla+rope / speculators" in vs

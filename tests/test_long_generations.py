@@ -19,7 +19,7 @@ class ScriptedVerifier:
     def __init__(self, tokenizer, texts: list[str]):
         self.tok, self.texts, self.budgets = tokenizer, list(texts), []
 
-    def generate(self, prompts, max_new):
+    def generate(self, prompts, max_new, seeds):
         out = []
         for _, n in zip(prompts, max_new):
             self.budgets.append(n)

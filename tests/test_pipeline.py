@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import CONVERSATIONS, extract_args, read_jsonl, run_script, script, shard_of
+from conftest import CONVERSATIONS, extract_args, read_jsonl, run_script, script, shard_of, split_sides
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -76,6 +76,44 @@ def test_stage_outputs_carry_what_the_next_stage_reads(tiny_run):
     assert export["readback"]["top1_agreement"] >= 0.98
     acceptance = json.loads((tiny_run / "draft" / "acceptance_sim.json").read_text())
     assert acceptance["sim"]["num_drafts"] > 0
+
+
+def test_the_given_answers_train_beside_the_regenerated_ones_as_a_variant(tiny_run, tmp_path):
+    """The given conversations beside stage 00's regenerations of them: extracted as they are, their ids
+    are the regenerated rows' and stage 03 refuses the overlap naming --variant; extracted with --variant
+    given into the same out_dir, their shard sits beside the regenerated one and stage 03 and 04's reading
+    take both from that one folder, every sample id distinct and both versions of each conversation on one
+    side of the split."""
+    import shutil
+
+    from eagle3_pipeline.data.samples import conversation_id
+    from eagle3_pipeline.data.shards import open_shards
+    from eagle3_pipeline.data.split import load_split
+
+    root, plain, split = tmp_path / "hidden_states", tmp_path / "plain", tmp_path / "split"
+    shutil.copytree(tiny_run / "hidden_states", root)
+    run_script(*extract_args(tiny_run / "verifier", CONVERSATIONS, plain), "--max-seq-len", "1024",
+               "--end-row", "2")  # fmt: skip
+    refused = run_script(script("03_split_data.py"), "--data-dir", str(root), str(plain), "--out-dir",
+                         str(tmp_path / "refused"), check=False)  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "shards overlap" in refused.stderr and "--variant NAME" in refused.stderr
+    run_script(*extract_args(tiny_run / "verifier", CONVERSATIONS, root), "--max-seq-len", "1024",
+               "--variant", "given")  # fmt: skip
+    (first, ours_shard) = sorted(p.name for p in root.iterdir())
+    assert ours_shard == f"{first}_given"
+    assert json.loads((root / ours_shard / "meta.json").read_text())["config"]["variant"] == "given"
+    run_script(script("03_split_data.py"), "--data-dir", str(root), "--out-dir", str(split),
+               "--val-ratio", "0.3")  # fmt: skip
+    shard_set = open_shards([str(root)], verify=False)
+    train, val = load_split(split, shard_set.samples)
+    ids = [s.sample_id for s in train + val]
+    assert len(ids) == len(set(ids)) == len(shard_set.samples)
+    ours = {s.sample_id for s in shard_set.samples if s.shard.endswith(ours_shard)}
+    assert ours and all("#v:given" in i for i in ours)
+    assert {conversation_id(i) for i in ours} == {conversation_id(s.sample_id) for s in shard_set.samples
+                                                  if s.sample_id not in ours}  # fmt: skip
+    assert val and all(len(x) == 1 for x in split_sides(train, val).values())
 
 
 def test_missing_meta_field_is_refused_naming_the_file(tiny_run, tmp_path):

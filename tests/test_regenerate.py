@@ -94,3 +94,34 @@ def test_regeneration_refuses_to_resume_with_other_settings(tiny_llama_verifier,
     (tmp_path / "regen" / "COMPLETE").unlink()
     proc = run_script(*_args(tiny_llama_verifier, data, "regen", rows_per_part=2), cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "rows_per_part" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sampled_turns_draw_independently_and_the_same_beside_any_rows(tiny_llama_verifier, tmp_path):
+    """At temperature > 0 each turn samples from its own seed (seed, row, turn): two rows with the same
+    prompt get different answers (one seed for every request gave every row the same draws step for step,
+    so equal prompts got equal answers and rows ended at the same steps), and a row's answer does not depend
+    on the rows regenerated beside it (a resume or another part size gives the same bytes)."""
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.data.config import RegenerateConfig
+    from eagle3_pipeline.data.conversations import RawRow
+    from eagle3_pipeline.data.regenerate import (HFGenerator, _conversation, end_token_ids, regenerate_rows,
+                                                 turn_seed)  # fmt: skip
+
+    row = json.loads(CONVERSATIONS.read_text().splitlines()[0])
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_verifier))
+    cfg = RegenerateConfig(max_new_tokens=16, max_seq_len=512, engine="hf", temperature=1.0, top_p=1.0)
+    gen = HFGenerator(tiny_llama_verifier, cfg, end_token_ids(tiny_llama_verifier, tok))
+
+    def answers(indices):
+        convs = [(i, _conversation(RawRow(i, {**row, "id": f"r{i}"}), tmp_path, False, "")) for i in indices]
+        out, rejects = regenerate_rows(convs, tok, gen, cfg)
+        assert not rejects
+        return [r["token_samples"] for r in out]
+
+    both = answers([0, 1])
+    assert both[0][0]["prompt_ids"] == both[1][0]["prompt_ids"]
+    assert both[0][0]["completion_ids"] != both[1][0]["completion_ids"]
+    assert answers([1]) == both[1:]
+    assert turn_seed(0, 1, 1) == turn_seed(0, 1, 1) and len({turn_seed(s, r, t) for s in (0, 1) for r in (0, 1)
+                                                             for t in (1, 3)}) == 8  # fmt: skip

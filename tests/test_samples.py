@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import split_sides
 from kimi_fixture import IDS, build_kimi_tokenizer, ids_of
 
 from eagle3_pipeline.data.conversations import RowRejected, normalize_row
@@ -15,6 +16,7 @@ from eagle3_pipeline.data.samples import (
     conversation_id,
     first_prompt,
     row_samples,
+    sample_id,
 )
 
 USER, ASSISTANT, SYSTEM = IDS["<|im_user|>"], IDS["<|im_assistant|>"], IDS["<|im_system|>"]
@@ -493,11 +495,31 @@ def test_samples_of_one_row_land_on_one_side_of_the_split():
         for i, (c, n) in enumerate((c, n) for c in range(40) for n in range(3))
     ]
     train, val = split_samples(refs, seed=0, val_ratio=0.3)
-    sides = {}
-    for side, part in (("train", train), ("val", val)):
-        for r in part:
-            sides.setdefault(conversation_id(r.sample_id), set()).add(side)
+    sides = split_sides(train, val)
     assert len(sides) == 40 and all(len(s) == 1 for s in sides.values()) and val and train
     # tiny data: the conversation held out is held out whole
     train, val = split_samples(refs[:6], seed=0, val_ratio=0.01)
     assert [r.sample_id for r in val] == ["conv-1", "conv-1#2", "conv-1#3"]
+
+
+def test_a_variants_samples_are_its_own_ids_and_the_same_conversation():
+    """A second version of the same rows (stage 01 --variant): sample ids `<row id>#v:<variant>`, later
+    samples `#2` after it; each maps back to its row's conversation, which the split keeps on one side
+    with the first version's samples."""
+    from eagle3_pipeline.data.samples import variant_row_id
+    from eagle3_pipeline.data.shards import SampleRef
+    from eagle3_pipeline.data.split import split_samples
+
+    assert variant_row_id("conv-3", None) == "conv-3"
+    assert variant_row_id("conv-3", "given") == "conv-3#v:given"
+    assert conversation_id("conv-3#v:given") == conversation_id("conv-3#v:seed1#2") == "conv-3"
+    assert conversation_id("conv-3#v:") == "conv-3#v:" and conversation_id("a@b.com") == "a@b.com"
+    ids = [sample_id(variant_row_id(f"conv-{c}", v), n) for c in range(40) for v in (None, "given")
+           for n in range(2)]  # fmt: skip
+    assert len(set(ids)) == len(ids) == 160
+    refs = [SampleRef("s", "p", i, x, 10) for i, x in enumerate(ids)]
+    train, val = split_samples(refs, seed=0, val_ratio=0.3)
+    sides = split_sides(train, val)
+    assert len(sides) == 40 and all(len(s) == 1 for s in sides.values()) and val and train
+    held_out = {conversation_id(r.sample_id) for r in val}
+    assert all(sum(conversation_id(r.sample_id) == c for r in val) == 4 for c in held_out)  # both versions

@@ -54,6 +54,31 @@ def test_the_command_line_wins_over_what_the_export_records(export, tmp_path):
     assert greedy["name"] == "acceptance_sim.json"
 
 
+def test_run_kimi_k25_waits_in_the_folder_stage_01_writes(tmp_path):
+    """run_kimi_k25.sh waits for the --serve server's record in stage 01's folder, which the Kimi config
+    gives by [run] dir alone (no [extract] out_dir): the script's line names it as the layout does, and a
+    config that names no folder is a one-line error, not a traceback."""
+    import os
+
+    from eagle3_pipeline.core.layout import OUTPUT_DIRS
+
+    lines = (REPO / "scripts" / "run_kimi_k25.sh").read_text().splitlines()
+    line = next(x for x in lines if x.startswith("OUT_DIR="))
+
+    def out_dir(config):
+        env = {**os.environ, "PY": sys.executable, "CONFIG": str(config)}
+        cmd = f'set -euo pipefail; {line}; echo "$OUT_DIR"'
+        return subprocess.run(["bash", "-c", cmd], cwd=REPO, env=env, capture_output=True, text=True)
+
+    found = out_dir("configs/kimi_k25.toml")
+    assert found.returncode == 0 and found.stdout.strip() == f"runs/kimi_k25/{OUTPUT_DIRS['extract']}"
+    bare = tmp_path / "bare.toml"
+    bare.write_text('[extract]\nverifier_path = "/models/x"\n')
+    refused = out_dir(bare)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert f"{bare}: [extract] has no out_dir" in refused.stderr
+
+
 def test_run_tiny_loops_over_the_stage_order_cli_owns():
     """run_kimi_k25.sh keeps one line per stage: each has its own launch (the shard loop, torchrun)."""
     listed = subprocess.run([sys.executable, "-m", "eagle3_pipeline.core.cli", "stages"], cwd=REPO,

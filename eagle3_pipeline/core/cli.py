@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from eagle3_pipeline.core import layout
-from eagle3_pipeline.core.config import add_config_flags, options_from_args, resolve_config
+from eagle3_pipeline.core.config import add_config_flags, load_config_file, options_from_args, resolve_config
 from eagle3_pipeline.core.errors import UserError
 
 log = logging.getLogger("eagle3")
@@ -113,11 +113,27 @@ def progress(iterable: Any = None, **kw: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3_pipeline.core.cli stages`: the stage scripts in order, one a line (for run scripts)."""
+    """For run scripts: `stages`, the stage scripts in order, one a line; `out-dir CONFIG SECTION`, the
+    folder that stage writes under the config file (its own out_dir, else the layout's under [run] dir)."""
     parser = argparse.ArgumentParser(prog="python -m eagle3_pipeline.core.cli", description=main.__doc__)
-    parser.add_argument("what", choices=["stages"])
-    parser.parse_args(argv)
-    print("\n".join(STAGES.values()))
+    parser.add_argument("what", choices=["stages", "out-dir"])
+    parser.add_argument("config", nargs="?", help="out-dir: the config file")
+    parser.add_argument("section", nargs="?", choices=list(STAGES), help="out-dir: the stage's [section]")
+    a = parser.parse_args(argv)
+    if a.what == "stages":
+        print("\n".join(STAGES.values()))
+        return 0
+    if a.config is None or a.section is None:
+        parser.error("out-dir needs CONFIG and SECTION")
+    try:
+        out = load_config_file(a.config, a.section).get("out_dir")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if out is None:
+        print(f"error: {a.config}: [{a.section}] has no out_dir and the file no [run] dir", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(out)
     return 0
 
 

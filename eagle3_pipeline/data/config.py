@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from eagle3_pipeline.core.config import SEED, Settings, required, setting
+from eagle3_pipeline.data.samples import VARIANT_NAME
 
 FP8 = "float8_e4m3fn"  # the fp8 storage dtype (state_dtype.py)
 NO_STATES = "none"  # storage dtype of token shards: ids and loss masks only, states come online (stage 04)
@@ -54,6 +55,12 @@ class RegenerateConfig(Settings):
         False, "Allow the verifier's own code (Kimi-K2.5's tokenizer needs it)."
     )
     overwrite: bool = setting(False, "Redo an output that is already complete.")
+
+
+def _variant_problem(value: str | None) -> str | None:
+    if value is None or VARIANT_NAME.fullmatch(value):
+        return None
+    return "must be a name of letters, digits, '_', '.' and '-' (e.g. \"given\" or \"seed1\")"
 
 
 @dataclass
@@ -101,6 +108,16 @@ class ExtractConfig(Settings):
         "Extra chat-template variables, a TOML table or a JSON object on the command line, e.g. "
         "'{\"thinking\": false}' for Kimi-K2.5's instant mode (default: its thinking mode); recorded in "
         "meta.json, and 06_evaluate.py builds its prompts with the same.",
+    )
+    variant: str | None = setting(
+        None,
+        "Name a second version of conversations extracted already (the given answers beside stage 00's "
+        "regenerated ones, or a second seed's answers) so both can train together: its sample ids become "
+        "<row id>#v:<variant>, never those of the first version's shards, and stage 03 keeps both versions "
+        "of a conversation on one side. Letters, digits, '_', '.', '-'. Its shards are named "
+        "rows_<start>-<end>_<variant>, so the same out_dir holds both versions and stages 02-04 read them "
+        "together.",
+        check=_variant_problem,
     )
     samples_per_file: int = setting(64, "Input rows per safetensors part file (the unit of resume).", ge=1)
     max_batch_tokens: int = setting(

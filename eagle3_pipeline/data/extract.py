@@ -50,8 +50,9 @@ from eagle3_pipeline.models.vision import has_vision_tower, processor_settings
 log = logging.getLogger("eagle3.extract")
 
 
-def shard_name(start: int, end: int) -> str:
-    return f"rows_{start:08d}-{end:08d}"
+def shard_name(start: int, end: int, variant: str | None = None) -> str:
+    """A shard's folder in out_dir; a --variant's beside the first version's of the same rows."""
+    return f"rows_{start:08d}-{end:08d}" + (f"_{variant}" if variant else "")
 
 
 def run(cfg: ExtractConfig) -> int:
@@ -81,7 +82,7 @@ def run(cfg: ExtractConfig) -> int:
     ranges = [(a, min(a + step, end)) for a in range(start, end, step)]
     if len(ranges) > 1:
         log.info("%d shards of %d rows in [%d, %d), one verifier load", len(ranges), step, start, end)
-    outs = [StageOutput(Path(cfg.out_dir) / shard_name(a, b), cfg.overwrite) for a, b in ranges]
+    outs = [StageOutput(Path(cfg.out_dir) / shard_name(a, b, cfg.variant), cfg.overwrite) for a, b in ranges]
     to_write = [o for o in outs if o.wanted()]
     with contextlib.ExitStack() as held:
         for out in to_write:  # this process the one writer of each shard it writes, before any work
@@ -194,7 +195,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
     assert end is not None
     dtype = state_dtype.resolve_dtype(cfg.dtype)
     storage_dtype = state_dtype.resolve_storage_dtype(cfg.storage_dtype, dtype)
-    shard = Path(cfg.out_dir) / shard_name(start, end)
+    shard = Path(cfg.out_dir) / shard_name(start, end, cfg.variant)
     settings = {
         "format": shards.SHARD_FORMAT,
         "verifier": {**asdict(facts), "path": storage.record_path(facts.path, shard)},
@@ -215,6 +216,8 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         # its batches: padding changes the float results (by ~3e-6 on CPU), so a resume with another
         # value would join parts that differ from an uninterrupted run's
         settings["max_batch_tokens"] = cfg.max_batch_tokens
+    if cfg.variant is not None:  # its sample ids (samples.variant_row_id): a resume without it is refused
+        settings["variant"] = cfg.variant
     if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
         settings["fp8_scales"] = state_dtype.FP8_SCALES
     # (an hf shard's settings are those of the shards written before engines; a token shard has no engine)

@@ -75,7 +75,8 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
         )
         data = Path(cfg.data_path)
         opts = SampleOptions(cfg.max_seq_len, cfg.truncate, cfg.chat_template_kwargs,
-                             base_dir=data if data.is_dir() else data.parent)  # fmt: skip
+                             base_dir=data if data.is_dir() else data.parent,
+                             variant=cfg.variant)  # fmt: skip
         opts.images, opts.no_images_why = extract_images(cfg, tokenizer)
     except BaseException as e:  # noqa: BLE001 - said in the stage's process
         put(("error", isinstance(e, UserError), f"{type(e).__name__}: {e}"))

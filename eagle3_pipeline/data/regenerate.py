@@ -19,6 +19,7 @@ atomically: the unit of resume), run.json (settings a resume must match), then c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -50,6 +51,12 @@ from eagle3_pipeline.models.vision import has_vision_tower, processor_settings
 log = logging.getLogger("eagle3.regenerate")
 
 OUTPUT_NAME = "conversations.jsonl"
+# How a sampled turn is seeded (run.json: a resume of a run seeded otherwise is refused): each turn draws from
+# its own generator seeded by (--seed, row, turn), so rows sample independently, and a turn's answer is the
+# same whichever part, batch or resume it runs in. One seed shared by every request would give every row the
+# same random draws step for step (vLLM's per-request generator, torch's global one): answers correlated
+# across the data set, e.g. most rows ending at the same steps.
+TURN_SEEDS = "sha256(seed:row:turn)"
 # why a row gives no regenerated turn
 NO_PROMPTED_TURN = "no assistant turn after a prompt (an assistant turn that opens the row answers nothing)"
 NO_TURN_FITS = "no assistant turn whose prompt fits max_seq_len"
@@ -115,9 +122,11 @@ class HFGenerator:
         pass
 
     def generate(
-        self, prompts: list[list[int]], max_new: list[int], image_inputs: list[dict[str, Any]] | None = None
-    ) -> list[tuple[list[int], str]]:
-        """Each prompt's completion; `image_inputs[i]`: its pixel_values and image_grid_thw, or None."""
+        self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
+        image_inputs: list[dict[str, Any]] | None = None,
+    ) -> list[tuple[list[int], str]]:  # fmt: skip
+        """Each prompt's completion, sampled with its own seed (turn_seed); `image_inputs[i]`: its
+        pixel_values and image_grid_thw, or None."""
         import torch
         from transformers import GenerationConfig
 
@@ -134,7 +143,7 @@ class HFGenerator:
                 eos_token_id=self.stop_ids,
                 pad_token_id=self.stop_ids[0],
             )
-            torch.manual_seed(self.cfg.seed)
+            torch.manual_seed(seeds[i])  # generate() draws from the global generator
             with torch.no_grad():
                 ids = self.model.generate(
                     torch.tensor([prompt], device=device), generation_config=gen, **pixels
@@ -171,9 +180,11 @@ class VLLMGenerator:
         return images.pad_id, urls
 
     def generate(
-        self, prompts: list[list[int]], max_new: list[int], image_inputs: list[Any] | None = None
-    ) -> list[tuple[list[int], str]]:
-        """Each prompt's completion; `image_inputs[i]`: (the id of its image tokens, its images) or None."""
+        self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
+        image_inputs: list[Any] | None = None,
+    ) -> list[tuple[list[int], str]]:  # fmt: skip
+        """Each prompt's completion, sampled with its own seed (turn_seed: one vLLM generator per request);
+        `image_inputs[i]`: (the id of its image tokens, its images) or None."""
         from eagle3_pipeline.vllm_side.vllm_engine import image_fields
 
         out: list[tuple[list[int], str]] = [([], "")] * len(prompts)
@@ -194,7 +205,8 @@ class VLLMGenerator:
                     "stop_token_ids": self.stop_ids,
                     "temperature": self.cfg.temperature,
                     "top_p": self.cfg.top_p,
-                    "seed": self.cfg.seed,
+                    "seed": self.cfg.seed,  # the engine's
+                    "seeds": [seeds[i] for i in idx],
                     "trust_remote_code": self.cfg.trust_remote_code,
                 }
             )
@@ -241,6 +253,12 @@ def opens_thinking(tokenizer: Any, prompt: list[int]) -> bool:
     return tokenizer.decode(prompt[-4:], skip_special_tokens=False).endswith("<think>")
 
 
+def turn_seed(seed: int, row: int, turn: int) -> int:
+    """The sampling seed of one turn (TURN_SEEDS): 63 bits of sha256 over (seed, row index, turn index)."""
+    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
 def length_summary(lengths: list[int]) -> dict[str, int]:
     """p50 / p90 / max of completion lengths in tokens (nearest rank), for the log and meta.json."""
     if not lengths:
@@ -264,7 +282,7 @@ def regenerate_rows(
     rejects: list[dict[str, Any]] = []
     unanswerable = {s["row"] for s in state if s["turn"] is None}  # its only assistant turn opens it
     while True:
-        pending, prompts, budgets, pixels = [], [], [], []
+        pending, prompts, budgets, seeds, pixels = [], [], [], [], []
         for s in state:
             if s["turn"] is None:
                 continue
@@ -282,11 +300,12 @@ def regenerate_rows(
             pending.append(s)
             prompts.append(prompt)
             budgets.append(min(cfg.max_new_tokens, room))
+            seeds.append(turn_seed(cfg.seed, s["row"], s["turn"]))
             pixels.append(generator.image_inputs(images, urls) if images and urls else None)
         if not pending:
             break
         extra = {"image_inputs": pixels} if any(pixels) else {}  # text-only generators take no images
-        completions = generator.generate(prompts, budgets, **extra)
+        completions = generator.generate(prompts, budgets, seeds, **extra)
         for s, prompt, (completion, finish) in zip(pending, prompts, completions):
             i, msgs = s["turn"], s["conv"].messages
             text = tokenizer.decode(completion, skip_special_tokens=True)
@@ -352,6 +371,7 @@ def _regenerate(cfg: RegenerateConfig, data_path: Path, verifier_path: Path, out
         "verifier_fingerprint": verifier_fingerprint(verifier_path),
         "engine": engine,
         "stop_token_ids": stop_ids,
+        "turn_seeds": TURN_SEEDS,
         **engine_settings(engine, cfg.vllm_python),
         **processor_settings(verifier_path),  # an image's token count (none for a text-only verifier)
         # trust_remote_code: the checkpoint's own tokenizer code instead of transformers' (other ids)

@@ -60,6 +60,7 @@ class SampleOptions:
     images: ImageTokens | None = None  # the vision verifier's, where image rows are taken
     no_images_why: str = NO_VISION_TOWER  # why image rows are rejected where they are not
     base_dir: Path | None = None  # relative image paths start here (the data file's folder)
+    variant: str | None = None  # another version of conversations extracted already (variant_row_id)
 
 
 @dataclass
@@ -76,10 +77,24 @@ def sample_id(row_id: str, n: int) -> str:
     return row_id if n == 0 else f"{row_id}#{n + 1}"
 
 
+# A second version of the same conversations (another seed's answers, the given answers beside the
+# regenerated ones) is extracted with a variant name (stage 01 --variant): its row ids become
+# `<row id>#v:<variant>`, so the two shard sets never share a sample id, and conversation_id maps both to
+# one conversation, which the split keeps on one side.
+VARIANT_MARK = "#v:"
+VARIANT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def variant_row_id(row_id: str, variant: str | None) -> str:
+    """The row id a sample id starts with: the row's own, or `<row id>#v:<variant>`."""
+    return row_id if variant is None else f"{row_id}{VARIANT_MARK}{variant}"
+
+
 def conversation_id(sample_id: str) -> str:
-    """The conversation a sample comes from: its id without trailing `#<n>` suffixes (a row id that
-    itself ends in `#<digits>` is grouped with its stem, which only puts two conversations together)."""
-    return re.sub(r"(#\d+)+$", "", sample_id)
+    """The conversation a sample comes from: its id without trailing `#<n>` suffixes and its variant mark
+    (a row id that itself ends in `#<digits>` is grouped with its stem, which only puts two conversations
+    together)."""
+    return re.sub(rf"{VARIANT_MARK}{VARIANT_NAME.pattern}$", "", re.sub(r"(#\d+)+$", "", sample_id))
 
 
 def row_samples(row_value: Any, row_index: int, tokenizer: Any, opts: SampleOptions) -> list[Sample]:
@@ -95,7 +110,7 @@ def row_samples(row_value: Any, row_index: int, tokenizer: Any, opts: SampleOpti
         urls = conv.images
         if urls and opts.images is not None:  # one placeholder per image rendered: expanded
             units = [_expand_unit(opts.images, ids, mask, urls) for ids, mask in units]
-    base = row_id if row_id is not None else f"row-{row_index}"
+    base = variant_row_id(row_id if row_id is not None else f"row-{row_index}", opts.variant)
     samples = [Sample(sample_id(base, n), *fitted) for n, fitted in enumerate(fit_length(units, opts))]
     for smp in samples:
         cut = f" (cut at max_seq_len {opts.max_seq_len})" if smp.truncated_from else ""

@@ -140,7 +140,8 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
                 if smp["id"] in seen:
                     raise UserError(
                         f"{s}: sample id {smp['id']!r} also in {seen[smp['id']]}; shards overlap "
-                        "(same rows extracted twice?)"
+                        "(same rows extracted twice? A second version of the same conversations, such as "
+                        "the given answers beside the regenerated ones, extracts with --variant NAME)"
                     )
                 seen[smp["id"]] = s
                 samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"], smp["sha256"]))
