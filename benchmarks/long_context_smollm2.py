@@ -115,10 +115,14 @@ DRAFT_VOCAB = {"smollm2": 8192, KIMI: 1024}
 REGEN_ENGINE = {"smollm2": "vllm", KIMI: "hf"}
 
 
+def kind_of(vcfg: dict) -> str:
+    """Which --verifier a verifier config is (its model type)."""
+    return KIMI if vcfg["model_type"].startswith("deepseek") else "smollm2"
+
+
 def verifier_kind(verifier: Path) -> str:
-    """Which --verifier a built verifier folder is (its config's model type)."""
-    model_type = json.loads((verifier / "config.json").read_text())["model_type"]
-    return KIMI if model_type.startswith("deepseek") else "smollm2"
+    """Which --verifier a built verifier folder is."""
+    return kind_of(json.loads((verifier / "config.json").read_text()))
 
 
 def build_verifier(work: Path, kind: str, parts: dict, threads: int) -> None:
@@ -151,7 +155,7 @@ def draft_flags(name: str, vcfg: dict) -> list[str]:
 def draft_width(vcfg: dict) -> dict[str, int]:
     """The draft's heads and MLP width (draft_quality.project_train's `hidden`): SmolLM2's own; on the
     Kimi-shaped verifier (2 heads) long_context.py's 4 heads and 3 x hidden."""
-    if vcfg["model_type"].startswith("deepseek"):
+    if kind_of(vcfg) == KIMI:
         return {"heads": 4, "kv_heads": 4, "intermediate": 3 * vcfg["hidden_size"]}
     return {"heads": vcfg["num_attention_heads"], "kv_heads": vcfg["num_key_value_heads"],
             "intermediate": vcfg["intermediate_size"]}  # fmt: skip
