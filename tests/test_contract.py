@@ -140,6 +140,23 @@ def test_readback_under_vllm_rules_catches_a_missing_head_dim(tiny_run, tmp_path
     assert problems and stats["top1_agreement"] < 0.9
 
 
+def test_the_gate_reads_a_prefix_of_each_long_sample(tiny_run, monkeypatch):
+    """A stored sample is read back on its first GATE_TOKENS tokens (a window's draft: twice its window),
+    the same tensors as the stored sample's prefix, and the good export still passes on them."""
+    from eagle3_pipeline.data.shards import load_sample, open_shards
+    from eagle3_pipeline.export_eval import export
+
+    _, meta, model, vt, _, _ = export.load_trained(tiny_run / "train", "best")
+    monkeypatch.setattr(export, "GATE_TOKENS", 24)
+    cut = export.gate_samples(meta, 2)
+    whole = [load_sample(r) for r in open_shards(meta["shards"], verify=False).samples[:2]]
+    assert all(len(w["input_ids"]) > 24 for w in whole) and all(len(c["input_ids"]) == 24 for c in cut)
+    for c, w in zip(cut, whole):
+        assert c.keys() == w.keys() and all(torch.equal(c[k], w[k][:24]) for k in w)
+    assert export.readback_problems(tiny_run / "draft", model, vt["embed_tokens"], cut, 3)[0] == []
+    assert export.gate_tokens({"sliding_window": 40}) == 80
+
+
 def test_wrong_shape_is_refused_before_writing(tiny_run, tmp_path):
     from safetensors.torch import load_file
 

@@ -382,6 +382,17 @@ class _CallIds:
         return self.open.pop(0)
 
 
+def template_kwargs_flag(text: str) -> dict[str, Any]:
+    """A tool's --chat-template-kwargs (JSON) as the template takes it, or a UserError saying why not."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--chat-template-kwargs: not JSON ({e})") from None
+    if not isinstance(kwargs, dict):
+        raise UserError("--chat-template-kwargs must be a JSON object, e.g. '{\"thinking\": true}'")
+    return kwargs
+
+
 def render_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],

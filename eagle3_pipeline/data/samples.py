@@ -83,6 +83,9 @@ def sample_id(row_id: str, n: int) -> str:
 # one conversation, which the split keeps on one side.
 VARIANT_MARK = "#v:"
 VARIANT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# A long session joined from rows (data/sessions.py) has its first row's id and `#s:<n>`: conversation_id
+# maps it to that row, whose split side all the session's rows share.
+SESSION_MARK = "#s:"
 
 
 def variant_row_id(row_id: str, variant: str | None) -> str:
@@ -91,10 +94,11 @@ def variant_row_id(row_id: str, variant: str | None) -> str:
 
 
 def conversation_id(sample_id: str) -> str:
-    """The conversation a sample comes from: its id without trailing `#<n>` suffixes and its variant mark
-    (a row id that itself ends in `#<digits>` is grouped with its stem, which only puts two conversations
-    together)."""
-    return re.sub(rf"{VARIANT_MARK}{VARIANT_NAME.pattern}$", "", re.sub(r"(#\d+)+$", "", sample_id))
+    """The conversation a sample comes from: its id without trailing `#<n>` suffixes, its variant mark and
+    its session mark (a row id that itself ends in `#<digits>` is grouped with its stem, which only puts two
+    conversations together)."""
+    row = re.sub(rf"{VARIANT_MARK}{VARIANT_NAME.pattern}$", "", re.sub(r"(#\d+)+$", "", sample_id))
+    return re.sub(rf"{SESSION_MARK}\d+$", "", row)
 
 
 def row_samples(row_value: Any, row_index: int, tokenizer: Any, opts: SampleOptions) -> list[Sample]:

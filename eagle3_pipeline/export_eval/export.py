@@ -342,14 +342,27 @@ def gate(
     return stats
 
 
+# The read-back runs each gate sample's first GATE_TOKENS tokens (a windowed draft's: twice its window, so
+# the window is crossed): its dense attention is quadratic in the length, and a stored sample runs to
+# Kimi-K2.5's 20,000 tokens or a joined session's 131,072 (a 19k-token session took the tiny Kimi-shaped
+# draft's gate to 8 GB), while positions past the trained length are export_rope.long_positions' check.
+GATE_TOKENS = 2048
+
+
+def gate_tokens(spec: dict[str, Any]) -> int:
+    return max(GATE_TOKENS, 2 * (spec.get("sliding_window") or 0))
+
+
 def gate_samples(meta: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
+    """The first n stored samples of the run's shards, each cut to its first gate_tokens."""
     shard_set = open_shards(meta["shards"], verify=False)
     if meta.get("shard_manifests") not in (None, shard_set.manifests):
         raise UserError(
             f"{', '.join(meta['shards'])}: not the shards the run trained on (their manifest sha256s differ "
             "from the training run's meta.json); the gate needs those, restore them or retrain"
         )
-    return [load_sample(r) for r in shard_set.samples[:n]]
+    cap = gate_tokens(meta["draft"])
+    return [{k: v[:cap] for k, v in load_sample(r).items()} for r in shard_set.samples[:n]]
 
 
 def needs_remote_code(verifier_path: Path) -> bool:

@@ -35,7 +35,7 @@ from typing import Any
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.conversations import render_ids
+from eagle3_pipeline.data.conversations import render_ids, template_kwargs_flag
 
 log = logging.getLogger("eagle3.long_prompts")
 
@@ -253,13 +253,7 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
             f"--lengths {max(args.lengths)}: the model in {args.tokenizer} has {limit} positions; give "
             f"lengths below it, with room for stage 06's --max-new-tokens"
         )
-    try:
-        kwargs = json.loads(args.chat_template_kwargs)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--chat-template-kwargs: not JSON ({e})") from None
-    if not isinstance(kwargs, dict):
-        raise UserError("--chat-template-kwargs must be a JSON object, e.g. '{\"thinking\": true}'")
-    return kwargs
+    return template_kwargs_flag(args.chat_template_kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,150 @@
+"""Long sessions joined from short rows (eagle3_pipeline.data.sessions): what they hold, and that stage 01
+extracts them beside the rows and stage 03 keeps each on its rows' side of the split."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+from conftest import CONVERSATIONS, extract_args, read_jsonl, run_script, split_sides
+
+from eagle3_pipeline.data import sessions
+from eagle3_pipeline.data.samples import conversation_id, sample_id, variant_row_id
+from eagle3_pipeline.data.split import is_val
+
+SPLIT_SEED = 2  # on the 10 shipped conversations, val ratio 0.3: conv-002, -008, -009 held out
+
+
+def members(n: int, tokens: int = 100) -> list[sessions.Member]:
+    return [sessions.Member(f"row-{i}", [{"role": "system", "content": f"s{i}"},
+                                         {"role": "user", "content": f"q{i}"},
+                                         {"role": "assistant", "content": f"a{i}"}], tokens)
+            for i in range(n)]  # fmt: skip
+
+
+def args(**kw) -> argparse.Namespace:
+    base = {"passes": 3, "min_tokens": 300, "max_tokens": 1000, "seed": 0, "split_seed": 0, "val_ratio": 0.3}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_every_row_joins_a_session_once_a_pass_within_the_length_drawn():
+    rows = members(60)
+    planned = sessions.plan_sessions(rows, 3, 300, 1000, 0)
+    counts = Counter(i for s in planned for i in s)
+    # a pass drops at most its last session, when that holds one row
+    assert set(counts) <= set(range(60)) and max(counts.values()) == 3
+    assert sum(counts.values()) >= 60 * 3 - 3
+    assert all(len(s) == len(set(s)) >= 2 and sum(rows[i].tokens for i in s) <= 1000 for s in planned)
+    lengths = {len(s) for s in planned}
+    assert len(lengths) > 2, f"targets drawn in [300, 1000] give sessions of several sizes, not {lengths}"
+    assert planned == sessions.plan_sessions(rows, 3, 300, 1000, 0)
+    assert planned != sessions.plan_sessions(rows, 3, 300, 1000, 1)
+
+
+def test_a_session_keeps_its_rows_side_of_the_split_and_one_system_message():
+    rows = members(80)
+    built = sessions.build_sessions(rows, args())
+    side_of = {m.row_id: is_val(m.row_id, 0, 0.3) for m in rows}
+    assert {True, False} == {side_of[r["session_of"][0]] for r in built}
+    for r in built:
+        sides = {side_of[m] for m in r["session_of"]}
+        assert len(sides) == 1
+        # the ids stage 01 gives its samples (--variant sessions, a second sample) go where its rows go
+        first_sample = sample_id(variant_row_id(r["id"], "sessions"), 1)
+        assert conversation_id(first_sample) == r["session_of"][0]
+        assert is_val(conversation_id(first_sample), 0, 0.3) == sides.pop()
+        systems = [m["content"] for m in r["messages"] if m["role"] == "system"]
+        assert systems == [f"s{r['session_of'][0].split('-')[1]}"] and r["messages"][0]["role"] == "system"
+        assert [m["content"] for m in r["messages"] if m["role"] == "user"] == [
+            f"q{m.split('-')[1]}" for m in r["session_of"]]
+    assert len({r["id"] for r in built}) == len(built)
+
+
+def test_a_thinking_session_costs_stage_01_a_sample_per_turn_an_append_only_one_one():
+    """Kimi-K2.5's thinking mode erases earlier reasoning, so stage 01 makes every turn of a session a
+    sample of its whole context (the cost grows with the turns); instant mode's rendering is append-only:
+    one sample, the session itself. The count is stage 01's own (samples.row_samples)."""
+    from kimi_fixture import build_kimi_tokenizer
+
+    from eagle3_pipeline.data.samples import SampleOptions, row_samples
+
+    tok = build_kimi_tokenizer()
+    rows = [sessions.Member(f"r{i}", [{"role": "user", "content": f"Question {i}?"},
+                                      {"role": "assistant", "content": f"Answer {i}.",
+                                       "reasoning_content": f"Thinking about {i} at some length."}], 0)
+            for i in range(3)]  # fmt: skip
+    session = sessions.joined(rows, [0, 1, 2], 0)
+    thinking = SampleOptions(1 << 20)
+    instant = SampleOptions(1 << 20, chat_template_kwargs={"thinking": False})
+    per_turn = [len(smp.input_ids) for smp in row_samples(session, 0, tok, thinking)]
+    assert len(per_turn) == 3 and per_turn == sorted(per_turn)
+    assert sessions.extracted_tokens(session, tok, thinking) == (sum(per_turn), per_turn[-1])
+    (whole,) = row_samples(session, 0, tok, instant)
+    assert sessions.extracted_tokens(session, tok, instant) == (len(whole.input_ids),) * 2
+    assert sum(per_turn) > 2 * len(whole.input_ids)
+
+
+def test_the_split_settings_are_stage_03s_flag_then_config_then_default(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("[split]\nval_ratio = 0.2\n")
+    given = argparse.Namespace(config=config, split_seed=None, val_ratio=None)
+    assert sessions.split_setting(given, "val_ratio") == 0.2 and sessions.split_setting(given, "seed") == 0
+    given.val_ratio, given.config = 0.4, None
+    assert sessions.split_setting(given, "val_ratio") == 0.4
+    given.val_ratio = None
+    assert sessions.split_setting(given, "val_ratio") == 0.05  # SplitConfig's own default
+
+
+def test_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
+    out = tmp_path / "s.jsonl"
+    common = ["--data-path", str(CONVERSATIONS), "--tokenizer", str(tiny_run / "verifier"), "--out", str(out)]
+    assert sessions.main([*common, "--max-tokens", "4096"]) == 2
+    assert "has 2048 positions" in capsys.readouterr().err
+    assert sessions.main([*common, "--max-tokens", "1000", "--min-tokens", "2000"]) == 2
+    assert "2 <= --min-tokens <= --max-tokens" in capsys.readouterr().err
+    assert sessions.main(["--data-path", str(CONVERSATIONS), "--tokenizer", str(tiny_run / "verifier"),
+                          "--out", str(CONVERSATIONS), "--max-tokens", "1000", "--min-tokens", "300"]) == 2
+    assert "write the sessions to a file of their own" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_sessions_extract_beside_the_rows_and_split_with_them(tiny_run, tmp_path):
+    """The shipped conversations joined (2 passes, 300-1,500 tokens), extracted with --variant sessions into
+    a copy of the tiny run's hidden_states at 1,500 tokens: every session whole (none truncated), longer
+    than any row, and stage 03 at the sessions' split settings puts each session on its rows' side."""
+    import shutil
+
+    from eagle3_pipeline.data.shards import open_shards
+    from eagle3_pipeline.data.split import load_split
+
+    root, made, split = tmp_path / "hidden_states", tmp_path / "sessions.jsonl", tmp_path / "split"
+    shutil.copytree(tiny_run / "hidden_states", root)
+    config = tmp_path / "run.toml"  # stage 03's settings, as the run's config holds them
+    config.write_text(f"[split]\nseed = {SPLIT_SEED}\nval_ratio = 0.3\n")
+    run_script("-m", "eagle3_pipeline.data.sessions", "--data-path", str(CONVERSATIONS), "--tokenizer",
+               str(tiny_run / "verifier"), "--out", str(made), "--passes", "2", "--min-tokens", "300",
+               "--max-tokens", "1500", "--config", str(config))  # fmt: skip
+    rows = read_jsonl(made)
+    meta = json.loads(made.with_name(made.name + sessions.META_SUFFIX).read_text())
+    assert meta["sessions"] == len(rows) >= 3 and meta["passes"] == 2
+    assert (meta["split_seed"], meta["val_ratio"]) == (SPLIT_SEED, 0.3)
+    run_script(*extract_args(tiny_run / "verifier", made, root), "--max-seq-len", "1500",
+               "--variant", "sessions")  # fmt: skip
+    shard = next(p for p in root.iterdir() if p.name.endswith("_sessions"))
+    extracted = json.loads((shard / "meta.json").read_text())
+    assert extracted["num_truncated"] == 0 and extracted["num_tokens"] == meta["extracted_tokens"]["sessions"]
+    run_script("03_split_data.py", "--data-dir", str(root), "--out-dir", str(split), "--val-ratio", "0.3",
+               "--seed", str(SPLIT_SEED))  # fmt: skip
+    shard_set = open_shards([str(root)], verify=False)
+    train, val = load_split(split, shard_set.samples)
+    ours = [s for s in shard_set.samples if s.shard.endswith(shard.name)]
+    theirs = [s for s in shard_set.samples if not s.shard.endswith(shard.name)]
+    assert len(ours) == len(rows) and min(s.num_tokens for s in ours) > 0
+    assert max(s.num_tokens for s in ours) > max(s.num_tokens for s in theirs)
+    sides = split_sides(train, val)
+    assert all(len(x) == 1 for x in sides.values())
+    val_rows = {conversation_id(s.sample_id) for s in val}
+    assert val_rows and {"conv-002", "conv-008", "conv-009"} >= val_rows
+    for r in rows:  # every row of a session on the side the session is on
+        assert len({next(iter(sides[m])) for m in r["session_of"]}) == 1
