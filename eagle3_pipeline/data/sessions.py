@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.core import storage
+from eagle3_pipeline.core.cli import progress, setup_logging
 from eagle3_pipeline.core.config import read_config_file
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.data.config import SplitConfig
@@ -52,7 +53,6 @@ from eagle3_pipeline.data.conversations import (
 from eagle3_pipeline.data.samples import SESSION_MARK, SampleOptions, conversation_id, row_samples
 from eagle3_pipeline.data.split import is_val
 from eagle3_pipeline.models.verifier import read_text_config
-from eagle3_pipeline.core.cli import progress, setup_logging
 
 log = logging.getLogger("eagle3.sessions")
 
