@@ -44,8 +44,12 @@ def test_every_row_joins_a_session_once_a_pass_within_the_length_drawn():
 
 def test_a_session_keeps_its_rows_side_of_the_split_and_one_system_message():
     rows = members(80)
-    built = sessions.build_sessions(rows, args())
+    for i, m in enumerate(rows):  # rows of different lengths: a session's length is the sum of its rows'
+        m.tokens = 50 + i
+    built, lengths = sessions.build_sessions(rows, args())
     side_of = {m.row_id: is_val(m.row_id, 0, 0.3) for m in rows}
+    tokens = {m.row_id: m.tokens for m in rows}
+    assert lengths == [sum(tokens[m] for m in r["session_of"]) for r in built]
     assert {True, False} == {side_of[r["session_of"][0]] for r in built}
     for r in built:
         sides = {side_of[m] for m in r["session_of"]}

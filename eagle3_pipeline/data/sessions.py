@@ -144,17 +144,18 @@ def joined(members: list[Member], session: list[int], n: int) -> dict[str, Any]:
             "session_of": [members[i].row_id for i in session]}  # fmt: skip
 
 
-def build_sessions(members: list[Member], a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Sessions of each split side's rows apart, numbered in one sequence."""
+def build_sessions(members: list[Member], a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[int]]:
+    """Sessions of each split side's rows apart, numbered in one sequence; and each one's length (the sum of
+    its rows' lengths, for the meta)."""
     sides = {False: [], True: []}
     for m in members:
         sides[is_val(conversation_id(m.row_id), a.split_seed, a.val_ratio)].append(m)
-    rows = []
+    rows, lengths = [], []
     for val, side in sides.items():
         for session in plan_sessions(side, a.passes, a.min_tokens, a.max_tokens, a.seed + int(val)):
             rows.append(joined(side, session, len(rows)))
-            rows[-1]["tokens"] = sum(side[i].tokens for i in session)  # written to the meta, not the row
-    return rows
+            lengths.append(sum(side[i].tokens for i in session))
+    return rows, lengths
 
 
 def check_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -215,11 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(str(a.tokenizer), trust_remote_code=a.trust_remote_code)
         opts = SampleOptions(max_seq_len=a.max_tokens, chat_template_kwargs=kwargs)
         members, left = read_members(a.data_path, tok, opts)
-        rows = build_sessions(members, a)
+        rows, lengths = build_sessions(members, a)
         if not rows:
             raise UserError(f"--data-path {a.data_path}: no session of two rows or more could be made "
                             f"({len(members)} rows usable; lower --min-tokens or give more rows)")
-        lengths = sorted(r.pop("tokens") for r in rows)
+        lengths.sort()
         cost = extraction_cost(rows, members, tok, a, kwargs)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         storage.write_bytes_atomic(a.out, "".join(json.dumps(r) + "\n" for r in rows).encode())
