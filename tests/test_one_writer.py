@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -84,6 +85,23 @@ def test_a_lock_left_by_a_killed_holder_is_taken_over_naming_it(tmp_path, caplog
     assert not lock_path(out).exists()  # released cleanly: removed
     assert f"{out}: taking over a stale lock: its holder, pid {holder.pid} on host {socket.gethostname()}" \
         in caplog.text
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_error_line_naming_it(tiny_run, tmp_path):
+    """--out-dir under a file (or on a read-only filesystem): the lock, every stage's first write, says which
+    folder and why, instead of a traceback from mkdir; nothing is written."""
+    from eagle3_pipeline.core.errors import UserError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    want = f"{blocker / 'out'}: cannot write there ({blocker} is a file); give an output folder"
+    with pytest.raises(UserError, match=re.escape(want)), output_lock(blocker / "out"):
+        pass
+    proc = run_script(script("03_split_data.py"), "--config", str(tiny_run / "tiny.toml"), "--out-dir",
+                      str(blocker / "split"), check=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{blocker / 'split'}: cannot write there ({blocker} is a file)" in proc.stderr
+    assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == ""
 
 
 def test_under_torchrun_every_rank_stops_on_a_run_folder_in_use(tiny_run, tmp_path):

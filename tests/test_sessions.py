@@ -106,10 +106,17 @@ def test_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
     assert sessions.main([*common, "--max-tokens", "4096"]) == 2
     assert "has 2048 positions" in capsys.readouterr().err
     assert sessions.main([*common, "--max-tokens", "1000", "--min-tokens", "2000"]) == 2
-    assert "2 <= --min-tokens <= --max-tokens" in capsys.readouterr().err
+    assert "--min-tokens 2000 must be in [2, --max-tokens 1000]" in capsys.readouterr().err
+    assert sessions.main([*common, "--max-tokens", "1000", "--min-tokens", "300", "--passes", "0"]) == 2
+    assert "--passes 0 must be >= 1" in capsys.readouterr().err
     assert sessions.main(["--data-path", str(CONVERSATIONS), "--tokenizer", str(tiny_run / "verifier"),
                           "--out", str(CONVERSATIONS), "--max-tokens", "1000", "--min-tokens", "300"]) == 2
     assert "write the sessions to a file of their own" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert sessions.main([*common[:-1], str(tmp_path / "a-file" / "s.jsonl"), "--max-tokens", "1000",
+                          "--min-tokens", "300"]) == 2  # fmt: skip
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in capsys.readouterr().err
+    (tmp_path / "a-file").unlink()
     assert not out.exists() and not list(tmp_path.iterdir())
 
 

@@ -68,8 +68,9 @@ def output_lock(out_dir: Path) -> Iterator[None]:
     """
     path = lock_path(out_dir)
     made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
-    fd = _open_locked(path, out_dir)
+    fd = None
     try:
+        fd = _open_locked(path, out_dir)
         if fd is not None:
             _record_holder(fd, out_dir)
             _HELD_LOCKS.add(fd)
@@ -89,8 +90,16 @@ def _open_locked(path: Path, out_dir: Path) -> int | None:
     """A descriptor of `path` holding its flock; None on a filesystem without locks. A file its holder
     removed between this open and the flock is not the lock any more: opened again."""
     while True:
-        path.parent.mkdir(parents=True, exist_ok=True)  # (again: a refused writer may have removed it)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # (again: a refused writer may have removed it)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a folder goes, a read-only filesystem, no permission
+            raise _unwritable(out_dir, e) from None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the folder removed by a refused writer since: made again
+            continue
+        except OSError as e:
+            raise _unwritable(out_dir, e) from None
         try:
             if not _flock(fd, out_dir, path):
                 os.close(fd)
@@ -104,6 +113,12 @@ def _open_locked(path: Path, out_dir: Path) -> int | None:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def _unwritable(out_dir: Path, e: OSError) -> UserError:
+    """The error of an output folder that cannot be made or written (the reason and the path the OS named)."""
+    why = f"{e.filename} is a file" if isinstance(e, FileExistsError) else f"{e.strerror}: {e.filename}"
+    return UserError(f"{out_dir}: cannot write there ({why}); give an output folder this user can write")
 
 
 def _flock(fd: int, out_dir: Path, path: Path) -> bool:

@@ -164,8 +164,11 @@ def check_args(a: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"--tokenizer {a.tokenizer}: no tokenizer_config.json (give the verifier's folder)")
     if not a.data_path.exists():
         raise UserError(f"--data-path {a.data_path}: not found")
-    if a.passes < 1 or not 2 <= a.min_tokens <= a.max_tokens:
-        raise UserError("--passes must be >= 1 and 2 <= --min-tokens <= --max-tokens")
+    if a.passes < 1:
+        raise UserError(f"--passes {a.passes} must be >= 1")
+    if not 2 <= a.min_tokens <= a.max_tokens:
+        raise UserError(f"--min-tokens {a.min_tokens} must be in [2, --max-tokens {a.max_tokens}] (the shortest "
+                        "session's target; its default is 2,048)")
     a.split_seed, a.val_ratio = split_setting(a, "seed"), split_setting(a, "val_ratio")
     if not 0 <= a.val_ratio < 1:
         raise UserError(f"--val-ratio {a.val_ratio} must be in [0, 1), as stage 03's")
@@ -174,6 +177,9 @@ def check_args(a: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"--max-tokens {a.max_tokens}: the model in {a.tokenizer} has {limit} positions")
     if a.out.resolve() == a.data_path.resolve():
         raise UserError(f"--out {a.out} is --data-path: write the sessions to a file of their own")
+    existing = next(p for p in (a.out.parent, *a.out.parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"--out {a.out}: {existing} is a file, not a folder")
     return template_kwargs_flag(a.chat_template_kwargs)
 
 
@@ -219,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         rows, lengths = build_sessions(members, a)
         if not rows:
             raise UserError(f"--data-path {a.data_path}: no session of two rows or more could be made "
-                            f"({len(members)} rows usable; lower --min-tokens or give more rows)")
+                            f"({len(members)} rows usable; left out: {left}; lower --min-tokens or give more "
+                            "rows)")
         lengths.sort()
         cost = extraction_cost(rows, members, tok, a, kwargs)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out {a.out}: cannot make its folder ({e.strerror}: {e.filename})") from None
         storage.write_bytes_atomic(a.out, "".join(json.dumps(r) + "\n" for r in rows).encode())
         settings = {k: v for k, v in vars(a).items() if k not in ("out", "chat_template_kwargs")}
         meta = {**{k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},
