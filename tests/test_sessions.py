@@ -24,7 +24,8 @@ def members(n: int, tokens: int = 100) -> list[sessions.Member]:
 
 
 def args(**kw) -> argparse.Namespace:
-    base = {"passes": 3, "min_tokens": 300, "max_tokens": 1000, "seed": 0, "split_seed": 0, "val_ratio": 0.3}
+    base = {"passes": 3, "min_tokens": 300, "max_tokens": 1000, "seed": 0, "split_seed": 0, "val_ratio": 0.3,
+            "cost_sessions": sessions.COST_SESSIONS}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -89,6 +90,32 @@ def test_a_thinking_session_costs_stage_01_a_sample_per_turn_an_append_only_one_
     assert sum(per_turn) > 2 * len(whole.input_ids)
 
 
+def test_the_cost_is_counted_on_every_session_up_to_cost_sessions_then_on_a_seeded_sample_scaled():
+    """Counting renders each session as stage 01 does (quadratic in the turns under a thinking template):
+    beyond --cost-sessions a seeded sample is counted and scaled to all, and the meta says how many."""
+    from kimi_fixture import build_kimi_tokenizer
+
+    tok = build_kimi_tokenizer()
+
+    def session(i: int, words: int) -> dict:
+        return {"id": f"r{i}#s:{i}", "messages": [{"role": "user", "content": "Question?"},
+                                                 {"role": "assistant", "content": " ".join(["word"] * words),
+                                                  "reasoning_content": "Thinking."}]}
+
+    same = [session(i, 30) for i in range(12)]
+    varied = [session(i, 5 + 7 * i) for i in range(12)]
+    per = [sessions.extracted_tokens(r, tok, sessions.SampleOptions(1 << 20))[0] for r in varied]
+    exact = sessions.extraction_cost(varied, [], tok, args(cost_sessions=12), {})
+    assert exact["counted_sessions"] == 12 and exact["sessions"] == sum(per)
+    sampled = sessions.extraction_cost(varied, [], tok, args(cost_sessions=4), {})
+    assert sampled == sessions.extraction_cost(varied, [], tok, args(cost_sessions=4), {})  # seeded
+    assert sampled["counted_sessions"] == 4 and sampled["sessions"] != exact["sessions"]
+    assert min(per) * 12 < sampled["sessions"] < max(per) * 12 and sampled["sessions"] % 3 == 0  # 4 of 12, x3
+    assert sampled != sessions.extraction_cost(varied, [], tok, args(cost_sessions=4, seed=1), {})
+    assert (sessions.extraction_cost(same, [], tok, args(cost_sessions=4), {})["sessions"]
+            == sessions.extraction_cost(same, [], tok, args(cost_sessions=12), {})["sessions"])  # fmt: skip
+
+
 def test_the_split_settings_are_stage_03s_flag_then_config_then_default(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text("[split]\nval_ratio = 0.2\n")
@@ -108,7 +135,7 @@ def test_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
     assert sessions.main([*common, "--max-tokens", "1000", "--min-tokens", "2000"]) == 2
     assert "--min-tokens 2000 must be in [2, --max-tokens 1000]" in capsys.readouterr().err
     assert sessions.main([*common, "--max-tokens", "1000", "--min-tokens", "300", "--passes", "0"]) == 2
-    assert "--passes 0 must be >= 1" in capsys.readouterr().err
+    assert "--passes 0 and --cost-sessions 1000 must be >= 1" in capsys.readouterr().err
     assert sessions.main(["--data-path", str(CONVERSATIONS), "--tokenizer", str(tiny_run / "verifier"),
                           "--out", str(CONVERSATIONS), "--max-tokens", "1000", "--min-tokens", "300"]) == 2
     assert "write the sessions to a file of their own" in capsys.readouterr().err

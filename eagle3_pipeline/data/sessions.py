@@ -58,6 +58,7 @@ log = logging.getLogger("eagle3.sessions")
 
 META_SUFFIX = ".meta.json"  # beside --out: how the sessions were made
 PASSES = 4  # times each row joins a session (measured: docs/results.md "Long sessions from the same rows")
+COST_SESSIONS = 1000  # sessions rendered as stage 01 renders them to count its cost (beyond: a sample)
 
 
 @dataclasses.dataclass
@@ -164,8 +165,8 @@ def check_args(a: argparse.Namespace) -> dict[str, Any]:
         raise UserError(f"--tokenizer {a.tokenizer}: no tokenizer_config.json (give the verifier's folder)")
     if not a.data_path.exists():
         raise UserError(f"--data-path {a.data_path}: not found")
-    if a.passes < 1:
-        raise UserError(f"--passes {a.passes} must be >= 1")
+    if a.passes < 1 or a.cost_sessions < 1:
+        raise UserError(f"--passes {a.passes} and --cost-sessions {a.cost_sessions} must be >= 1")
     if not 2 <= a.min_tokens <= a.max_tokens:
         raise UserError(f"--min-tokens {a.min_tokens} must be in [2, --max-tokens {a.max_tokens}] (the shortest "
                         "session's target; its default is 2,048)")
@@ -197,19 +198,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split-seed", type=int, help="stage 03's --seed (default: --config's, else stage 03's)")
     p.add_argument("--val-ratio", type=float, help="stage 03's --val-ratio (default: as --split-seed)")
     p.add_argument("--chat-template-kwargs", default="{}", help="JSON, as stage 01 renders the rows")
+    p.add_argument("--cost-sessions", type=int, default=COST_SESSIONS,
+                   help="sessions whose stage-01 samples are counted for the printed cost: all when fewer, "
+                        "else a seeded sample of this many, scaled to all")
     p.add_argument("--trust-remote-code", action="store_true")
     return p
 
 
 def extraction_cost(rows: list[dict[str, Any]], members: list[Member], tokenizer: Any, a: argparse.Namespace,
-                    kwargs: dict[str, Any]) -> dict[str, int]:  # fmt: skip
+                    kwargs: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """What stage 01 extracts for the sessions, against the rows alone; the longest sample, and how many
-    sessions hold a sample longer than --max-tokens (rendered joined, a session can exceed the sum)."""
+    sessions hold a sample longer than --max-tokens (rendered joined, a session can exceed the sum).
+    Counted on every session up to --cost-sessions, beyond on a seeded sample of that many, scaled (in a
+    template that erases reasoning, counting renders every turn's whole context: quadratic in the turns)."""
     opts = SampleOptions(max_seq_len=1 << 40, chat_template_kwargs=kwargs)
-    per = [extracted_tokens(r, tokenizer, opts) for r in progress(rows, desc="sessions", unit="session")]
-    return {"sessions": sum(t for t, _ in per), "rows": sum(m.extracted for m in members),
+    counted = rows
+    if len(rows) > a.cost_sessions:
+        counted = [rows[i] for i in sorted(random.Random(a.seed).sample(range(len(rows)), a.cost_sessions))]
+    per = [extracted_tokens(r, tokenizer, opts) for r in progress(counted, desc="sessions", unit="session")]
+    scale = len(rows) / len(counted)
+    return {"sessions": round(sum(t for t, _ in per) * scale), "rows": sum(m.extracted for m in members),
             "longest_sample": max(n for _, n in per),
-            "over_max_tokens": sum(n > a.max_tokens for _, n in per)}
+            "over_max_tokens": round(sum(n > a.max_tokens for _, n in per) * scale),
+            "counted_sessions": len(counted)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%d sessions hold a sample over --max-tokens %d (longest %d): extract them with "
                     "--truncate or --max-seq-len %d", cost["over_max_tokens"], a.max_tokens,
                     cost["longest_sample"], cost["longest_sample"])  # fmt: skip
-    log.info("done %s | rows %d | sessions %d | tokens p50 %d max %d | stage 01 extracts %d tokens for them, "
+    counted = "" if cost["counted_sessions"] == len(rows) else f" (scaled from {cost['counted_sessions']})"
+    log.info("done %s | rows %d | sessions %d | tokens p50 %d max %d | stage 01 extracts %d tokens for them%s, "
              "%.1fx the rows' %d", a.out, len(members), len(rows), lengths[len(lengths) // 2], lengths[-1],
-             cost["sessions"], cost["sessions"] / max(cost["rows"], 1), cost["rows"])  # fmt: skip
+             cost["sessions"], counted, cost["sessions"] / max(cost["rows"], 1), cost["rows"])  # fmt: skip
     log.info("next: python 01_extract_hidden_states.py --data-path %s --variant sessions --max-seq-len %d",
              a.out, max(a.max_tokens, cost["longest_sample"]))  # fmt: skip
     return 0
