@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+import pytest
 import torch
 from conftest import shard_of
 
-from eagle3_pipeline.data.length_mix import windows
+from eagle3_pipeline.data.length_mix import first_window, windows
 from eagle3_pipeline.data.packing import micro_batches, pack, window_of
 from eagle3_pipeline.data.shards import SampleRef
 
@@ -79,11 +80,26 @@ def test_a_samples_windows_pack_to_exactly_its_own_slots_at_its_true_positions()
     for key in ("hidden_states", "input_ids", "verifier_last", "loss_mask", "position_ids"):
         assert torch.equal(torch.cat([c[key] for c in cut], dim=1), whole[key]), key
 
+    # supervised from token 17 on (a turn after its context): the window learning tokens 8-14 is not
+    # trained, and the ones kept hold every supervised slot once, as the whole sample does
+    sample["loss_mask"][:17] = 0
+    late = SampleRef("s", "p", 0, "x", n, first_loss=17)
+    kept = windows(late, 8)
+    assert [(w.start, w.num_tokens) for w in kept] == [(14, 8), (21, 4)] and first_window(kept[0])
+    assert not first_window(kept[1]) and first_window(parts[0]) and not first_window(parts[1])
+    whole = pack([sample], max_seq_len=10**9)
+    cut = [pack([window_of(sample, w)], max_seq_len=8) for w in kept]
+    slots = whole["loss_mask"][0].bool()
+    for key in ("hidden_states", "input_ids", "verifier_last", "position_ids"):
+        got = torch.cat([c[key][0][c["loss_mask"][0].bool()] for c in cut])
+        assert torch.equal(got, whole[key][0][slots]), key
+
 
 def test_an_epoch_of_windows_loads_packs_and_counts_every_position_of_the_split(tiny_run, caplog):
     """The training loop's own pieces on the tiny run's shards at max_seq_len 96 (below most samples):
     BatchDataset loads each window, the packed rows hold every position of every sample once at its true
-    position, and the epoch's count (epochs.EpochCount, as train.py runs it) agrees and says so."""
+    position from its first window with a supervised target on, and the epoch's count (epochs.EpochCount,
+    as train.py runs it) agrees and says so."""
     from eagle3_pipeline.data.packing import BatchDataset
     from eagle3_pipeline.data.shards import open_shards
     from eagle3_pipeline.data.split import load_split
@@ -100,12 +116,14 @@ def test_an_epoch_of_windows_loads_packs_and_counts_every_position_of_the_split(
         count.add(refs, row)
         for doc, r in enumerate(refs):
             positions[r.sample_id] += row["position_ids"][row["document_ids"] == doc].tolist()
+    first = {r.sample_id: windows(r, 96)[0].start for r in train}  # those before learn no supervised token
     assert {r.sample_id: sorted(positions[r.sample_id]) for r in train} == {
-        r.sample_id: list(range(r.num_tokens - 1)) for r in train
+        r.sample_id: list(range(first[r.sample_id], r.num_tokens - 1)) for r in train
     }
     with caplog.at_level(logging.INFO, logger="eagle3.train"):
         got = count.report(Dist(), torch.device("cpu"))
-    assert got["samples"] == len(train) and got["positions"] == sum(r.num_tokens - 1 for r in train)
+    assert got["samples"] == len(train)
+    assert got["positions"] == sum(r.num_tokens - 1 - first[r.sample_id] for r in train)
     windows_made = sum(len(windows(r, 96)) - 1 for r in train)
     assert f"samples {len(train)}, each once" in caplog.text
     assert f"+{windows_made} windows of longer samples" in caplog.text
@@ -139,3 +157,57 @@ def test_online_windows_get_the_rows_of_the_forward_over_their_whole_prefix(tiny
     for key in ("hidden_states", "input_ids", "verifier_last", "loss_mask", "position_ids"):
         assert torch.equal(torch.cat([c[key] for c in cut], dim=1), whole[key]), key
     assert source.client.asked == [w.start + w.num_tokens for w in parts]  # each window's whole prefix
+
+
+def test_a_sample_stored_from_its_context_trains_every_supervised_slot_as_the_whole_sample(
+    tiny_verifier, tmp_path
+):
+    """Stage 01 --context-tokens 16: the verifier runs each sample whole, and what is stored starts 16 tokens
+    before the slot of the first supervised token, at its true position (the manifest's "position"): every
+    stored tensor is the whole extraction's from there, and packed, every supervised slot holds the same
+    inputs, targets and position as in the whole sample (the draft trains the same slots); a context shorter
+    than that is stored whole. Stage 04 refuses such shards where it needs every token."""
+    import json
+    import random
+
+    from conftest import extract_args, run_script, script
+
+    from eagle3_pipeline.core.errors import UserError
+    from eagle3_pipeline.data.shards import load_sample, open_shards
+    from eagle3_pipeline.training.config import TrainConfig
+    from eagle3_pipeline.training.train import open_data
+
+    g = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [g.randrange(32, 250) for _ in range(n)]
+
+    rows = [{"id": "document", "token_samples": [{"prompt_ids": ids(300), "completion_ids": ids(20)}]},
+            {"id": "turns", "token_samples": [{"prompt_ids": ids(40), "completion_ids": ids(10)},
+                                              {"prompt_ids": ids(120), "completion_ids": ids(15)}]},
+            {"id": "short", "token_samples": [{"prompt_ids": ids(5), "completion_ids": ids(8)}]}]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, extra in (("whole", []), ("cut", ["--context-tokens", "16"])):
+        run_script(*extract_args(tiny_verifier, data, tmp_path / name), *extra)
+    whole, cut = (open_shards([str(tmp_path / name)]).samples for name in ("whole", "cut"))
+    assert [r.position for r in cut] == [300 - 1 - 16, 40 - 1 - 16, 120 - 1 - 16, 0]
+    assert [r.first_loss for r in whole] == [300, 40, 120, 5]  # stage 04 trains no window before it
+    assert [r.first_loss for r in cut] == [16 + 1, 16 + 1, 16 + 1, 5]
+    assert [r.num_tokens for r in cut] == [w.num_tokens - c.position for w, c in zip(whole, cut)]
+    assert json.loads((shard_of(tmp_path / "cut") / "meta.json").read_text())["context_tokens"] == 16
+    for w, c in zip(whole, cut, strict=True):
+        full, stored = load_sample(w), load_sample(c)
+        assert all(torch.equal(full[k][c.position :], stored[k]) for k in full)
+        packed = [pack([window_of(s, r)], max_seq_len=10**9) for s, r in ((full, w), (stored, c))]
+        slots = [p["loss_mask"][0].bool() for p in packed]
+        assert int(slots[0].sum()) == int(slots[1].sum()) > 0
+        for key in ("hidden_states", "input_ids", "verifier_last", "position_ids"):
+            assert torch.equal(packed[0][key][0][slots[0]], packed[1][key][0][slots[1]]), key
+
+    run_script(script("02_build_vocab_mapping.py"), "--data-dir", str(tmp_path / "cut"), "--out-dir",
+               str(tmp_path / "vocab"), "--draft-vocab-size", "64")  # fmt: skip
+    cfg = TrainConfig(data_dir=[str(tmp_path / "cut")], vocab_mapping_dir=str(tmp_path / "vocab"),
+                      out_dir=str(tmp_path / "train"), loss_on_all_tokens=True)  # fmt: skip
+    with pytest.raises(UserError, match="'document' is stored from position 283 on .* loss_on_all_tokens"):
+        open_data(cfg)

@@ -25,7 +25,7 @@ def members(n: int, tokens: int = 100) -> list[sessions.Member]:
 
 def args(**kw) -> argparse.Namespace:
     base = {"passes": 3, "min_tokens": 300, "max_tokens": 1000, "seed": 0, "split_seed": 0, "val_ratio": 0.3,
-            "cost_sessions": sessions.COST_SESSIONS}
+            "cost_sessions": sessions.COST_SESSIONS, "context_tokens": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -84,10 +84,17 @@ def test_a_thinking_session_costs_stage_01_a_sample_per_turn_an_append_only_one_
     instant = SampleOptions(1 << 20, chat_template_kwargs={"thinking": False})
     per_turn = [len(smp.input_ids) for smp in row_samples(session, 0, tok, thinking)]
     assert len(per_turn) == 3 and per_turn == sorted(per_turn)
-    assert sessions.extracted_tokens(session, tok, thinking) == (sum(per_turn), per_turn[-1])
+    assert sessions.extracted_tokens(session, tok, thinking, None) == (sum(per_turn), per_turn[-1])
     (whole,) = row_samples(session, 0, tok, instant)
-    assert sessions.extracted_tokens(session, tok, instant) == (len(whole.input_ids),) * 2
+    assert sessions.extracted_tokens(session, tok, instant, None) == (len(whole.input_ids),) * 2
     assert sum(per_turn) > 2 * len(whole.input_ids)
+    # with stage 01's context_tokens a turn stores that many context tokens and its own: linear in the turns
+    turns = [sum(smp.loss_mask) for smp in row_samples(session, 0, tok, thinking)]
+    stored = [t + 1 + 4 for t in turns]  # the slot before the first supervised token, and 4 before it
+    assert sessions.extracted_tokens(session, tok, thinking, 4) == (sum(stored), per_turn[-1])
+    assert sum(stored) < sum(per_turn)
+    first = whole.loss_mask.index(1)  # append-only: one sample, stored from 4 before its first answer's slot
+    assert sessions.extracted_tokens(session, tok, instant, 4)[0] == len(whole.input_ids) - (first - 1 - 4)
 
 
 def test_the_cost_is_counted_on_every_session_up_to_cost_sessions_then_on_a_seeded_sample_scaled():
@@ -104,7 +111,7 @@ def test_the_cost_is_counted_on_every_session_up_to_cost_sessions_then_on_a_seed
 
     same = [session(i, 30) for i in range(12)]
     varied = [session(i, 5 + 7 * i) for i in range(12)]
-    per = [sessions.extracted_tokens(r, tok, sessions.SampleOptions(1 << 20))[0] for r in varied]
+    per = [sessions.extracted_tokens(r, tok, sessions.SampleOptions(1 << 20), None)[0] for r in varied]
     exact = sessions.extraction_cost(varied, [], tok, args(cost_sessions=12), {})
     assert exact["counted_sessions"] == 12 and exact["sessions"] == sum(per)
     sampled = sessions.extraction_cost(varied, [], tok, args(cost_sessions=4), {})
@@ -116,15 +123,20 @@ def test_the_cost_is_counted_on_every_session_up_to_cost_sessions_then_on_a_seed
             == sessions.extraction_cost(same, [], tok, args(cost_sessions=12), {})["sessions"])  # fmt: skip
 
 
-def test_the_split_settings_are_stage_03s_flag_then_config_then_default(tmp_path):
+def test_the_stage_settings_are_the_flag_then_the_config_then_the_stages_default(tmp_path):
+    from eagle3_pipeline.data.config import ExtractConfig, SplitConfig
+
     config = tmp_path / "run.toml"
-    config.write_text("[split]\nval_ratio = 0.2\n")
-    given = argparse.Namespace(config=config, split_seed=None, val_ratio=None)
-    assert sessions.split_setting(given, "val_ratio") == 0.2 and sessions.split_setting(given, "seed") == 0
-    given.val_ratio, given.config = 0.4, None
-    assert sessions.split_setting(given, "val_ratio") == 0.4
-    given.val_ratio = None
-    assert sessions.split_setting(given, "val_ratio") == 0.05  # SplitConfig's own default
+    config.write_text("[split]\nval_ratio = 0.2\n[extract]\ncontext_tokens = 512\n")
+    given = argparse.Namespace(config=config)
+    assert sessions.config_setting(given, SplitConfig, "val_ratio", None) == 0.2
+    assert sessions.config_setting(given, SplitConfig, "seed", None) == 0
+    assert sessions.config_setting(given, ExtractConfig, "context_tokens", None) == 512
+    assert sessions.config_setting(given, ExtractConfig, "context_tokens", 8) == 8
+    given.config = None
+    assert sessions.config_setting(given, SplitConfig, "val_ratio", 0.4) == 0.4
+    assert sessions.config_setting(given, SplitConfig, "val_ratio", None) == 0.05  # SplitConfig's own default
+    assert sessions.config_setting(given, ExtractConfig, "context_tokens", None) is None
 
 
 def test_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
@@ -144,6 +156,9 @@ def test_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
                           "--min-tokens", "300"]) == 2  # fmt: skip
     assert f"{tmp_path / 'a-file'} is a file, not a folder" in capsys.readouterr().err
     (tmp_path / "a-file").unlink()
+    assert sessions.main([*common[:-1], "/proc/eagle3-none/s.jsonl", "--max-tokens", "1000",
+                          "--min-tokens", "300"]) == 2  # a folder the OS refuses, found once they are made
+    assert "--out /proc/eagle3-none/s.jsonl: cannot write there (" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.iterdir())
 
 

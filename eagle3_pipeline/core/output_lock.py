@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_pipeline.core.errors import UserError
+from eagle3_pipeline.core.errors import UserError, unwritable
 
 _HELD_LOCKS: set[int] = set()  # the descriptors of the output locks this process holds
 
@@ -93,13 +93,13 @@ def _open_locked(path: Path, out_dir: Path) -> int | None:
         try:  # (again: a refused writer may have removed it)
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file where a folder goes, a read-only filesystem, no permission
-            raise _unwritable(out_dir, e) from None
+            raise unwritable(out_dir, e) from None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:  # the folder removed by a refused writer since: made again
             continue
         except OSError as e:
-            raise _unwritable(out_dir, e) from None
+            raise unwritable(out_dir, e) from None
         try:
             if not _flock(fd, out_dir, path):
                 os.close(fd)
@@ -113,12 +113,6 @@ def _open_locked(path: Path, out_dir: Path) -> int | None:
             os.close(fd)
             raise
         os.close(fd)
-
-
-def _unwritable(out_dir: Path, e: OSError) -> UserError:
-    """The error of an output folder that cannot be made or written (the reason and the path the OS named)."""
-    why = f"{e.filename} is a file" if isinstance(e, FileExistsError) else f"{e.strerror}: {e.filename}"
-    return UserError(f"{out_dir}: cannot write there ({why}); give an output folder this user can write")
 
 
 def _flock(fd: int, out_dir: Path, path: Path) -> bool:

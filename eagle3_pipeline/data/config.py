@@ -119,6 +119,16 @@ class ExtractConfig(Settings):
         "together.",
         check=_variant_problem,
     )
+    context_tokens: int | None = setting(
+        None,
+        "Store at most this many context tokens before a sample's first supervised one (default: all). "
+        "The verifier still runs the whole sample; only the states of its earlier tokens are not stored, "
+        "and the sample keeps its true positions (stage 04 trains it there). For templates that render "
+        "each turn as a sample of its whole context (Kimi-K2.5's thinking mode erases earlier reasoning): "
+        "a conversation of n turns then stores about n x (this + a turn) tokens instead of n / 2 times its "
+        "length. Token shards (--storage-dtype none) keep every token: online states need the prefix.",
+        ge=0,
+    )
     samples_per_file: int = setting(64, "Input rows per safetensors part file (the unit of resume).", ge=1)
     max_batch_tokens: int = setting(
         4096,

@@ -5,9 +5,10 @@ Shard layout (`<out_dir>/rows_<start>-<end>/`):
                           last_hidden_state [N, H] (pre-final-norm, for the teacher), offsets int64 [n+1],
                           and with fp8 storage one float32 scale per sample and layer (state_dtype.py);
                           a token shard (--storage-dtype none) holds no states (stage 04 gets them online)
-  part-00000.json         the part's samples (ids, rows, token counts, sha256 of each sample's bytes),
-                          rejects, the file's sha256 and the token tensors' sha256; written last, so a
-                          part counts only when its .json exists
+  part-00000.json         the part's samples (ids, rows, token counts, sha256 of each sample's bytes, the
+                          position of the first token stored when context_tokens cut it), rejects, the
+                          file's sha256 and the token tensors' sha256; written last, so a part counts only
+                          when its .json exists
   manifest.json, rejects.jsonl, meta.json, COMPLETE   written once every part is done
 Parts cover fixed blocks of `samples_per_file` input rows, so a rerun after a crash redoes only the
 block that was in flight, and the result is byte-identical to an uninterrupted run.
@@ -34,7 +35,7 @@ from eagle3_pipeline.data.conversations import count_rows
 from eagle3_pipeline.data.images import ImageTokens
 from eagle3_pipeline.core.errors import UserError
 from eagle3_pipeline.core.output import RUN_FILE, StageOutput
-from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample
+from eagle3_pipeline.data.samples import MAX_REJECTS_LOGGED_PER_PART, Sample, first_supervised, stored_from
 from eagle3_pipeline.models.verifier import (
     AuxCapture,
     check_aux_layer_ids,
@@ -218,6 +219,8 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         settings["max_batch_tokens"] = cfg.max_batch_tokens
     if cfg.variant is not None:  # its sample ids (samples.variant_row_id): a resume without it is refused
         settings["variant"] = cfg.variant
+    if cfg.context_tokens is not None and storage_dtype != state_dtype.NO_STATES:  # what a part stores
+        settings["context_tokens"] = cfg.context_tokens
     if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
         settings["fp8_scales"] = state_dtype.FP8_SCALES
     # (an hf shard's settings are those of the shards written before engines; a token shard has no engine)
@@ -252,7 +255,8 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,
         )  # fmt: skip
         if todo:
-            _extract_parts(shard, todo, storage_dtype, loaded["renderer"], loaded["engine"])
+            _extract_parts(shard, todo, (storage_dtype, settings.get("context_tokens")), loaded["renderer"],
+                           loaded["engine"])  # fmt: skip
         shards.finish_shard(out, len(blocks), settings, provenance(cfg))
 
 
@@ -312,11 +316,13 @@ def _seen_ids(shard: Path, todo: list[tuple[int, tuple[int, int]]]) -> dict[int,
 
 
 def _extract_parts(
-    shard: Path, todo: list[tuple[int, tuple[int, int]]], storage_dtype: str, renderer: Any, engine: Any
+    shard: Path, todo: list[tuple[int, tuple[int, int]]], stored: tuple[str, int | None], renderer: Any,
+    engine: Any,
 ) -> None:
     """Three stages overlap: a helper process renders and tokenises the parts ahead (extract_render),
-    this thread runs the verifier, a writer thread encodes, hashes and writes the part before; parts
-    are written in order, one at a time, so a kill loses at most the two in flight."""
+    this thread runs the verifier, a writer thread encodes, hashes and writes the part before, as
+    `stored` says (storage dtype, context_tokens); parts are written in order, one at a time, so a kill
+    loses at most the two in flight."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
@@ -342,7 +348,7 @@ def _extract_parts(
                 if pending is not None:
                     written(pending)
                 pending = writer.submit(_store_part, shard, n, rows, accepted, rejects, states, engine.dtype,
-                                        storage_dtype)  # fmt: skip
+                                        *stored)  # fmt: skip
             if pending is not None:
                 written(pending)
     finally:
@@ -358,35 +364,42 @@ def _store_part(
     states: list[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
     storage_dtype: str,
+    context_tokens: int | None = None,
 ) -> tuple[int, tuple[int, int], int, int, int]:
-    """Part n written: its samples' tokens and encoded states; a row whose states hold a NaN or Inf (as
-    stored: a cast that overflows counts) is rejected whole, since a row's samples stay together."""
-    encoded: list[tuple[int, Sample, dict[str, torch.Tensor]]] = []
+    """Part n written: its samples' tokens and encoded states, each from samples.stored_from on (its
+    position recorded); a row whose states hold a NaN or Inf (as stored: a cast that overflows counts) is
+    rejected whole, since a row's samples stay together."""
+    encoded: list[tuple[int, Sample, dict[str, torch.Tensor], int]] = []
     bad: dict[int, str] = {}
     for (row, smp), (aux, last) in zip(accepted, states, strict=True):
-        ids, mask = smp.input_ids, smp.loss_mask
+        cut = stored_from(smp.loss_mask, context_tokens) if aux is not None else 0
+        ids, mask = smp.input_ids[cut:], smp.loss_mask[cut:]
         stored = {
             "input_ids": torch.tensor(ids, dtype=torch.int32),
             "loss_mask": torch.tensor(mask, dtype=torch.uint8),
         }
         if aux is not None:
-            stored.update(state_dtype.encode(aux.to("cpu", dtype), last.to("cpu", dtype), storage_dtype))
+            stored.update(state_dtype.encode(aux[cut:].to("cpu", dtype), last[cut:].to("cpu", dtype),
+                                             storage_dtype))  # fmt: skip
         found = _non_finite_states(stored)
         if found and row not in bad:  # (the counts in parentheses: rejects group by the words outside)
             bad[row] = (
                 "NaN or Inf in the verifier's hidden states, never stored: a draft trained on them turns "
                 f"NaN (sample {smp.sample_id!r}: {found})"
             )
-        encoded.append((row, smp, stored))
+        encoded.append((row, smp, stored, cut))
     samples = []
     tensors: dict[str, list[torch.Tensor]] = {}
-    for row, smp, stored in encoded:
+    for row, smp, stored, cut in encoded:
         if row in bad:
             continue
         for k, v in stored.items():
             tensors.setdefault(k, []).append(v)
-        info = {"id": smp.sample_id, "row": row, "num_tokens": len(smp.input_ids)}
+        info = {"id": smp.sample_id, "row": row, "num_tokens": len(smp.input_ids) - cut}
+        if cut:
+            info["position"] = cut  # shards.SampleRef.position
         info["num_loss_tokens"] = int(sum(smp.loss_mask))
+        info["first_loss"] = max(0, first_supervised(smp.loss_mask) - cut)  # shards.SampleRef.first_loss
         info["sha256"] = storage.sha256_tensors(stored)  # checked when the sample is read
         if smp.truncated_from is not None:
             info["truncated_from"] = smp.truncated_from

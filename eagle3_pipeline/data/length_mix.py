@@ -6,8 +6,11 @@ once an epoch, at its true RoPE position. A window is valid EAGLE-3 data: its au
 verifier's from the forward over the whole sample (stage 01 extracts every sample whole, up to its own
 max_seq_len; online states are requested for the sample's prefix through the window's end), so the
 inputs and targets are what serving sees; only the draft's own attention starts at the window (its
-earlier keys are out of reach), which is the price of bounding the micro-batch. A window holding no
-supervised token still runs (its loss is 0 by the mask).
+earlier keys are out of reach), which is the price of bounding the micro-batch. A window whose targets
+all come before the sample's first supervised token (SampleRef.first_loss) is not trained: it would run at
+a loss of 0 by the mask. In a template that re-renders earlier turns (Kimi-K2.5's thinking mode) each turn
+is a sample of its whole context with only its own tokens supervised, so without this a long conversation
+would train n / 2 times its length in windows of which all but the last few teach nothing.
 
 Batches ("mix"): each epoch's windows are shuffled with the seed, cut into groups of about
 GROUP_BATCHES micro-batches' tokens, and each group is packed best-fit-decreasing: the longest windows
@@ -38,11 +41,18 @@ def window_starts(num_tokens: int, max_seq_len: int) -> list[tuple[int, int]]:
 
 
 def windows(ref: SampleRef, max_seq_len: int) -> list[SampleRef]:
-    """The sample itself when it fits, else its windows (window_starts)."""
+    """The sample itself when it fits, else its windows (window_starts) from the first whose targets reach
+    its first supervised token on (a window [a, a + n) learns tokens a + 1 .. a + n - 1)."""
     if ref.num_tokens <= max_seq_len:
         return [ref]
     starts = window_starts(ref.num_tokens, max_seq_len)
-    return [dataclasses.replace(ref, start=a, num_tokens=n) for a, n in starts]
+    return [dataclasses.replace(ref, start=a, num_tokens=n) for a, n in starts if a + n - 1 >= ref.first_loss]
+
+
+def first_window(ref: SampleRef) -> bool:
+    """Whether `ref` is the first window `windows` trains of its sample (the one before it, ending at its
+    start, learns only tokens before the first supervised one)."""
+    return ref.start == 0 or ref.start < ref.first_loss
 
 
 def all_windows(samples: list[SampleRef], max_seq_len: int) -> list[SampleRef]:

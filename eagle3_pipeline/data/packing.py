@@ -18,15 +18,16 @@ from eagle3_pipeline.data import length_mix
 from eagle3_pipeline.data.shards import SampleRef, load_sample
 
 PACKED_KEYS = ("hidden_states", "input_ids", "verifier_last", "loss_mask", "document_ids", "position_ids")
-WINDOW_START = "window_start"  # a window's first position in its sample (window_of): its RoPE offset
+WINDOW_START = "window_start"  # a window's first position in its sequence (window_of): its RoPE offset
 
 
 def window_of(sample: dict[str, torch.Tensor], ref: SampleRef) -> dict[str, Any]:
-    """The tokens of a window (ref.start, ref.num_tokens) of a loaded sample; a whole sample as it is."""
-    if ref.start == 0:
-        return sample
+    """The tokens of a window (ref.start, ref.num_tokens) of a loaded sample, with its position when that
+    is not 0 (a later window, or a sample stored from ref.position on); a whole sample as it is."""
     end = ref.start + ref.num_tokens
-    return {**{k: v[ref.start : end] for k, v in sample.items()}, WINDOW_START: ref.start}
+    window = sample if ref.start == 0 else {k: v[ref.start : end] for k, v in sample.items()}
+    position = ref.position + ref.start
+    return {**window, WINDOW_START: position} if position else window
 
 
 def pack(

@@ -72,6 +72,20 @@ class Sample:
     images: list[str] = field(default_factory=list)  # data URLs of the images its ids hold, in order
 
 
+def stored_from(loss_mask: list[int], context_tokens: int | None) -> int:
+    """The first token stage 01 stores of a sample: 0, or with `context_tokens` (ExtractConfig) the one that
+    many context tokens before the slot whose state predicts its first supervised token (packing.pack:
+    slot t learns token t + 1), so every supervised token keeps its slot."""
+    if context_tokens is None:
+        return 0
+    return max(0, first_supervised(loss_mask) - 1 - context_tokens)
+
+
+def first_supervised(loss_mask: list[int]) -> int:
+    """The index of a sample's first supervised token (0 when none is)."""
+    return next((i for i, m in enumerate(loss_mask) if m), 0)
+
+
 def sample_id(row_id: str, n: int) -> str:
     """Id of the row's n-th sample (0-based): `<row id>`, then `<row id>#2`, `<row id>#3`, ..."""
     return row_id if n == 0 else f"{row_id}#{n + 1}"

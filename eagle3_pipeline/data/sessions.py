@@ -40,8 +40,8 @@ from typing import Any
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress, setup_logging
 from eagle3_pipeline.core.config import read_config_file
-from eagle3_pipeline.core.errors import UserError
-from eagle3_pipeline.data.config import SplitConfig
+from eagle3_pipeline.core.errors import UserError, unwritable
+from eagle3_pipeline.data.config import ExtractConfig, SplitConfig
 from eagle3_pipeline.data.conversations import (
     RowRejected,
     count_rows,
@@ -50,7 +50,13 @@ from eagle3_pipeline.data.conversations import (
     render_ids,
     template_kwargs_flag,
 )
-from eagle3_pipeline.data.samples import SESSION_MARK, SampleOptions, conversation_id, row_samples
+from eagle3_pipeline.data.samples import (
+    SESSION_MARK,
+    SampleOptions,
+    conversation_id,
+    row_samples,
+    stored_from,
+)
 from eagle3_pipeline.data.split import is_val
 from eagle3_pipeline.models.verifier import read_text_config
 
@@ -69,25 +75,29 @@ class Member:
     extracted: int = 0  # the tokens of its stage-01 samples
 
 
-def extracted_tokens(row: Any, tokenizer: Any, opts: SampleOptions) -> tuple[int, int]:
-    """(tokens, longest sample) of what stage 01 extracts for a row: in a template that erases earlier
+def extracted_tokens(
+    row: Any, tokenizer: Any, opts: SampleOptions, context_tokens: int | None
+) -> tuple[int, int]:
+    """(tokens stored, longest sample) of what stage 01 extracts for a row: in a template that erases earlier
     reasoning (Kimi-K2.5's thinking mode) every turn is a sample of its whole context, so a session of
-    n turns costs about n / 2 times its length; append-only templates one sample, the session itself."""
-    lengths = [len(smp.input_ids) for smp in row_samples(row, 0, tokenizer, opts)]
-    return sum(lengths), max(lengths)
+    n turns stores about n / 2 times its length, or with `context_tokens` (stage 01's) n times that many
+    and a turn; append-only templates one sample, the session itself."""
+    made = row_samples(row, 0, tokenizer, opts)
+    stored = sum(len(smp.input_ids) - stored_from(smp.loss_mask, context_tokens) for smp in made)
+    return stored, max(len(smp.input_ids) for smp in made)
 
 
-def split_setting(a: argparse.Namespace, name: str) -> Any:
-    """One of stage 03's settings as stage 03 will take it: the flag, else --config's [split], else its
-    default (SplitConfig owns them)."""
-    flag = getattr(a, "split_seed" if name == "seed" else name)
+def config_setting(a: argparse.Namespace, section: type, name: str, flag: Any) -> Any:
+    """A stage's setting as that stage will take it: the flag, else --config's table of `section` (a
+    Settings class, which owns the default), else its default."""
     if flag is not None:
         return flag
-    table = read_config_file(str(a.config)).get(SplitConfig.SECTION, {}) if a.config else {}
-    return table.get(name, next(f.default for f in dataclasses.fields(SplitConfig) if f.name == name))
+    table = read_config_file(str(a.config)).get(section.SECTION, {}) if a.config else {}
+    return table.get(name, next(f.default for f in dataclasses.fields(section) if f.name == name))
 
 
-def read_members(path: Path, tokenizer: Any, opts: SampleOptions) -> tuple[list[Member], dict[str, Any]]:
+def read_members(path: Path, tokenizer: Any, opts: SampleOptions, context_tokens: int | None
+                 ) -> tuple[list[Member], dict[str, Any]]:  # fmt: skip
     """The rows that can join a session (stage 01 takes them within opts.max_seq_len), each with its
     rendered length; and what was left out: counts per reason, and the first rejected row with its reason."""
     members: list[Member] = []
@@ -97,7 +107,7 @@ def read_members(path: Path, tokenizer: Any, opts: SampleOptions) -> tuple[list[
             if raw.error:
                 raise RowRejected(raw.error)
             conv = normalize_row(raw.value)
-            extracted = extracted_tokens(raw.value, tokenizer, opts)[0]
+            extracted = extracted_tokens(raw.value, tokenizer, opts, context_tokens)[0]
         except RowRejected as e:
             left["rejected"] += 1
             left.setdefault("first_rejected", f"row {raw.index}: {e}")
@@ -170,7 +180,11 @@ def check_args(a: argparse.Namespace) -> dict[str, Any]:
     if not 2 <= a.min_tokens <= a.max_tokens:
         raise UserError(f"--min-tokens {a.min_tokens} must be in [2, --max-tokens {a.max_tokens}] (the shortest "
                         "session's target; its default is 2,048)")
-    a.split_seed, a.val_ratio = split_setting(a, "seed"), split_setting(a, "val_ratio")
+    a.split_seed = config_setting(a, SplitConfig, "seed", a.split_seed)
+    a.val_ratio = config_setting(a, SplitConfig, "val_ratio", a.val_ratio)
+    a.context_tokens = config_setting(a, ExtractConfig, "context_tokens", a.context_tokens)
+    if a.context_tokens is not None and a.context_tokens < 0:
+        raise UserError(f"--context-tokens {a.context_tokens} must be >= 0, as stage 01's")
     if not 0 <= a.val_ratio < 1:
         raise UserError(f"--val-ratio {a.val_ratio} must be in [0, 1), as stage 03's")
     limit = read_text_config(a.tokenizer).get("max_position_embeddings")
@@ -194,10 +208,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, required=True,
                    help="longest session target, tokens: stage 01's --max-seq-len for the sessions")
     p.add_argument("--seed", type=int, default=0, help="the rows' order and the sessions' lengths")
-    p.add_argument("--config", type=Path, help="the run's config: --split-seed and --val-ratio from [split]")
+    p.add_argument("--config", type=Path,
+                   help="the run's config: --split-seed and --val-ratio from [split], --context-tokens from "
+                        "[extract]")
     p.add_argument("--split-seed", type=int, help="stage 03's --seed (default: --config's, else stage 03's)")
     p.add_argument("--val-ratio", type=float, help="stage 03's --val-ratio (default: as --split-seed)")
     p.add_argument("--chat-template-kwargs", default="{}", help="JSON, as stage 01 renders the rows")
+    p.add_argument("--context-tokens", type=int,
+                   help="stage 01's --context-tokens, for the printed cost (default: --config's, else all)")
     p.add_argument("--cost-sessions", type=int, default=COST_SESSIONS,
                    help="sessions whose stage-01 samples are counted for the printed cost: all when fewer, "
                         "else a seeded sample of this many, scaled to all")
@@ -215,7 +233,8 @@ def extraction_cost(rows: list[dict[str, Any]], members: list[Member], tokenizer
     counted = rows
     if len(rows) > a.cost_sessions:
         counted = [rows[i] for i in sorted(random.Random(a.seed).sample(range(len(rows)), a.cost_sessions))]
-    per = [extracted_tokens(r, tokenizer, opts) for r in progress(counted, desc="sessions", unit="session")]
+    per = [extracted_tokens(r, tokenizer, opts, a.context_tokens)
+           for r in progress(counted, desc="sessions", unit="session")]  # fmt: skip
     scale = len(rows) / len(counted)
     return {"sessions": round(sum(t for t, _ in per) * scale), "rows": sum(m.extracted for m in members),
             "longest_sample": max(n for _, n in per),
@@ -232,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tok = AutoTokenizer.from_pretrained(str(a.tokenizer), trust_remote_code=a.trust_remote_code)
         opts = SampleOptions(max_seq_len=a.max_tokens, chat_template_kwargs=kwargs)
-        members, left = read_members(a.data_path, tok, opts)
+        members, left = read_members(a.data_path, tok, opts, a.context_tokens)
         rows, lengths = build_sessions(members, a)
         if not rows:
             raise UserError(f"--data-path {a.data_path}: no session of two rows or more could be made "
@@ -243,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             a.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UserError(f"--out {a.out}: cannot make its folder ({e.strerror}: {e.filename})") from None
+            raise unwritable(f"--out {a.out}", e) from None
         storage.write_bytes_atomic(a.out, "".join(json.dumps(r) + "\n" for r in rows).encode())
         settings = {k: v for k, v in vars(a).items() if k not in ("out", "chat_template_kwargs")}
         meta = {**{k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},

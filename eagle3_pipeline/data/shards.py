@@ -53,6 +53,8 @@ class SampleRef:
     num_tokens: int
     sha256: str = ""  # of the sample's stored bytes (storage.sha256_tensors), checked by load_sample
     start: int = 0  # a window of a longer sample (length_mix.windows): its first token; num_tokens its length
+    position: int = 0  # the sequence position of the sample's first stored token (stage 01's context_tokens)
+    first_loss: int = 0  # its first supervised token (0 in an older shard): windows before it train nothing
 
 
 @dataclass
@@ -144,7 +146,9 @@ def open_shards(data_dirs: list[str], expect: dict[str, Any] | None = None, veri
                         "the given answers beside the regenerated ones, extracts with --variant NAME)"
                     )
                 seen[smp["id"]] = s
-                samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"], smp["sha256"]))
+                samples.append(SampleRef(str(s), f["file"], i, smp["id"], smp["num_tokens"], smp["sha256"],
+                                         position=smp.get("position", 0),
+                                         first_loss=smp.get("first_loss", 0)))  # fmt: skip
     if not samples:
         raise UserError(f"{', '.join(map(str, shards))}: no samples (every row was rejected?)")
     return ShardSet(shards, first, samples, [m["manifest_sha256"] for m in metas])

@@ -32,6 +32,7 @@ import torch
 
 from eagle3_pipeline.training import schedule
 from eagle3_pipeline.training.distributed import Dist, all_reduce_sums
+from eagle3_pipeline.data.length_mix import first_window
 from eagle3_pipeline.data.shards import SampleRef
 
 log = logging.getLogger("eagle3.train")
@@ -109,8 +110,9 @@ def _counts(batches: list[list[SampleRef]], max_seq_len: int) -> dict[str, float
     for refs in batches:
         for r in refs:
             a, b = _id_hashes(f"{r.sample_id}@{r.start}" if r.start else r.sample_id)
-            out["samples"] += r.start == 0  # a long sample's windows (length_mix.py) count it once
-            out["windows"] += r.start != 0
+            first = first_window(r)  # a long sample's windows (length_mix.py) count it once
+            out["samples"] += first
+            out["windows"] += not first
             out["id_sum_a"] += a
             out["id_sum_b"] += b
             out["positions"] += positions_of(r, max_seq_len)

@@ -134,6 +134,14 @@ def open_data(cfg: TrainConfig) -> RunData:
             f"{shard_set.shards[0]}: a token shard (stage 01 --storage-dtype none: no hidden states); train "
             'on it with --states online and running vLLM servers (--servers), or extract states into shards'
         )
+    needs_all = {"states online": cfg.states == "online", "loss_on_all_tokens": cfg.loss_on_all_tokens}
+    cut = next((r for r in shard_set.samples if r.position), None) if any(needs_all.values()) else None
+    if cut is not None:
+        raise UserError(
+            f"{cut.shard}: sample {cut.sample_id!r} is stored from position {cut.position} on (stage 01's "
+            f"context_tokens), but {' and '.join(k for k, v in needs_all.items() if v)} needs every token "
+            "of a sample; extract without --context-tokens (online: token shards, --storage-dtype none)"
+        )
     if cfg.split_dir:
         check_built_from(Path(cfg.split_dir), shard_set, "--split-dir")
         train_refs, val_refs = load_split(Path(cfg.split_dir), shard_set.samples)
