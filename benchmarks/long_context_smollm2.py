@@ -339,9 +339,9 @@ def measure(
     counts = {d: {_group(s, r): AcceptanceCounts(K) for r in rows for s in SETTINGS} for d in refs}
     cost: dict[str, float] = {}
     ends = tuple(end_token_ids(verifier, AutoTokenizer.from_pretrained(str(verifier))))  # stage 00's
-    # rows whose traces are stored first (a stable sort): a row still being made elsewhere is waited for last
-    rows = sorted(rows, key=lambda r: not (work / TRACES / f"{r['id']}.pt").exists())
-    for i, row in enumerate(rows):
+    # stored traces first (one made elsewhere is waited for last); seed i: the row's place in the given order
+    stored_first = sorted(enumerate(rows), key=lambda ir: not (work / TRACES / f"{ir[1]['id']}.pt").exists())
+    for n_done, (i, row) in enumerate(stored_first, 1):
         prompt, new = row["token_samples"][0]["prompt_ids"], _new(row, max_new)
         banned = ends if row["kind"] == GENERATION else ()
         make = partial(verifier_traces, model, capture, prompt, trace_length(new, K), i, banned)
@@ -356,7 +356,7 @@ def measure(
         cost[key] = cost.get(key, 0.0) + verifier_s + time.time() - t1
         print(f"{row['id']}: {len(prompt)} tokens, verifier {verifier_s:.0f}s, "
               f"drafts {time.time() - t1:.0f}s", flush=True)  # fmt: skip
-        done(_results(counts, cost, i + 1, estimate))
+        done(_results(counts, cost, n_done, estimate))
     capture.remove()
     return _results(counts, cost, len(rows), estimate)
 

@@ -216,3 +216,28 @@ def test_kimi_shaped_verifier_takes_its_own_mla_dims_draft_width_and_layers(tiny
     assert vs["mla+rope+given / mla+rope"]["0-1k"]["ratio"] == pytest.approx(1.2)
     assert vs["mla+rope+given / speculators"]["0-1k"]["ratio"] == pytest.approx(1.5)
     assert "mla+rope / mla+rope" not in vs and "mla+rope / speculators" in vs
+
+
+def test_each_rows_draws_follow_its_place_in_the_rows_given_whatever_traces_are_stored(tiny_run, tmp_path):
+    """measure() reads stored traces first; a row's seed (its sampled trace's draws, its accept coins) is
+    still its place in the rows given, so a run that found some traces stored counts what a run that made
+    them all counts (the measurement order followed the store once, and the sampled figures with it)."""
+    lcs = _load("long_context_smollm2")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "verifier").symlink_to(tiny_run / "verifier")
+    rows = [{"id": f"long-document-20-{j}", "kind": "document", "target_tokens": 20, "prompt_tokens": 20,
+             "token_samples": [{"prompt_ids": [5 + j, 17, 99, 3, 42] * 4}]} for j in range(3)]  # fmt: skip
+    drafts = {"tiny": tiny_run / "draft"}
+    made = lcs.measure(work, drafts, rows, 12, 1, lambda _: None)["results"]
+    for r in rows[:2]:
+        (work / lcs.TRACES / f"{r['id']}.pt").unlink()
+    again = lcs.measure(work, drafts, rows, 12, 1, lambda _: None)["results"]
+
+    def counted(results):  # the counters (sums of floats in another order differ in their last bits)
+        keys = ("num_drafts", "num_accepted_tokens", "accepted_per_pos")
+        return {s: ({k: v[k] for k in keys}, pytest.approx(v["mean_acceptance_length"], rel=1e-12),
+                    [(b["num_drafts"], b["num_accepted_tokens"]) for b in v["acceptance_by_context"]["buckets"]])
+                for s, v in results["tiny"].items()}  # fmt: skip
+
+    assert counted(again) == counted(made) and made["tiny"]["thinking_prob"]["num_drafts"] > 0
