@@ -255,7 +255,7 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
             shard, start, end, len(blocks), len(todo), aux_ids, settings["dtype"], storage_dtype,
         )  # fmt: skip
         if todo:
-            _extract_parts(shard, todo, (storage_dtype, settings.get("context_tokens")), loaded["renderer"],
+            _extract_parts(shard, todo, storage_dtype, settings.get("context_tokens"), loaded["renderer"],
                            loaded["engine"])  # fmt: skip
         shards.finish_shard(out, len(blocks), settings, provenance(cfg))
 
@@ -316,13 +316,16 @@ def _seen_ids(shard: Path, todo: list[tuple[int, tuple[int, int]]]) -> dict[int,
 
 
 def _extract_parts(
-    shard: Path, todo: list[tuple[int, tuple[int, int]]], stored: tuple[str, int | None], renderer: Any,
+    shard: Path,
+    todo: list[tuple[int, tuple[int, int]]],
+    storage_dtype: str,
+    context_tokens: int | None,
+    renderer: Any,
     engine: Any,
 ) -> None:
     """Three stages overlap: a helper process renders and tokenises the parts ahead (extract_render),
-    this thread runs the verifier, a writer thread encodes, hashes and writes the part before, as
-    `stored` says (storage dtype, context_tokens); parts are written in order, one at a time, so a kill
-    loses at most the two in flight."""
+    this thread runs the verifier, a writer thread encodes, hashes and writes the part before; parts
+    are written in order, one at a time, so a kill loses at most the two in flight."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     bar = progress(total=sum(b - a for _, (a, b) in todo), desc="extract", unit="row")
@@ -348,7 +351,7 @@ def _extract_parts(
                 if pending is not None:
                     written(pending)
                 pending = writer.submit(_store_part, shard, n, rows, accepted, rejects, states, engine.dtype,
-                                        *stored)  # fmt: skip
+                                        storage_dtype, context_tokens)  # fmt: skip
             if pending is not None:
                 written(pending)
     finally:
@@ -399,7 +402,7 @@ def _store_part(
         if cut:
             info["position"] = cut  # shards.SampleRef.position
         info["num_loss_tokens"] = int(sum(smp.loss_mask))
-        info["first_loss"] = max(0, first_supervised(smp.loss_mask) - cut)  # shards.SampleRef.first_loss
+        info["first_loss"] = first_supervised(smp.loss_mask) - cut  # shards.SampleRef.first_loss (cut < it)
         info["sha256"] = storage.sha256_tensors(stored)  # checked when the sample is read
         if smp.truncated_from is not None:
             info["truncated_from"] = smp.truncated_from
