@@ -94,6 +94,7 @@ PROJECT_DRAFTS = {
     "mla+rope+given": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
     "mla+rope+x2": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
     "rope+sessions": ["--rope-scaling", "verifier"],
+    "rope+window+sessions": ["--rope-scaling", "verifier", "--sliding-window", str(WINDOW)],
     "mla+rope+sessions": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
     "mla+rope+given+sessions": [*dq.ABLATIONS[dq.MLA_ROW], "--rope-scaling", "verifier"],
 }
@@ -104,7 +105,8 @@ LONG = "regenerated_t1_long"
 LONG_ANSWER = 1024  # = the rows' max_seq_len: each answer ends where the verifier ends it or the row is full
 DRAFT_ROWS = {"today+given": "given_regenerated_t1", "today+x4": "regenerated_t1x4", "today+long": LONG,
               "mla+rope+given": "given_regenerated_t1", "mla+rope+x2": "regenerated_t1x2",
-              "rope+sessions": "sessions_regenerated_t1", "mla+rope+sessions": "sessions_regenerated_t1",
+              "rope+sessions": "sessions_regenerated_t1", "rope+window+sessions": "sessions_regenerated_t1",
+              "mla+rope+sessions": "sessions_regenerated_t1",
               "mla+rope+given+sessions": "sessions_given_regenerated_t1"}  # fmt: skip
 # SESSIONS + rows: the rows and sessions joined from them (data/sessions.py), trained in 1,024-token windows
 SESSIONS = "sessions_"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DATA, REPO, run_script, script
+from conftest import DATA, REPO, moved_config, run_script, script
 from test_nothing_lost import _train_args
 
 from eagle3_pipeline.core.cli import STAGES
@@ -85,3 +85,68 @@ def test_run_tiny_loops_over_the_stage_order_cli_owns():
                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     assert listed == list(STAGES.values()) and listed[0] == "00_regenerate.py" and len(listed) == 7
     assert "-m eagle3_pipeline.core.cli stages" in (REPO / "scripts" / "run_tiny.sh").read_text()
+
+
+# run_kimi_k25.sh's own logic, every stage replaced by a recorder: the stages it runs and their flags, in
+# order (the stages themselves are tested on the tiny verifiers; this script needs eight GPUs and Kimi-K2.5)
+RECORDER = """#!{python}
+import json, os, signal, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+if args[:2] == ["-m", "eagle3_pipeline.core.cli"]:
+    os.execv(sys.executable, [sys.executable, *args])
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps([Path(sys.argv[0]).name, *args]) + "\\n")
+if "--serve" in args:  # as extract_vllm.serve: a record while it runs, removed when stopped
+    record = Path(os.environ["OUT_DIR_EXPECTED"]) / "vllm-server.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("{{}}")
+    signal.signal(signal.SIGTERM, lambda *_: (record.unlink(), sys.exit(0)))
+    time.sleep(600)
+if args[:2] == ["-m", "eagle3_pipeline.data.sessions"]:
+    out = Path(args[args.index("--out") + 1])
+    out.write_text("{{}}\\n" * 3)
+    Path(str(out) + ".meta.json").write_text("{{}}")
+"""
+
+
+def test_run_kimi_k25_extracts_the_rows_then_their_sessions_each_through_its_own_server(tmp_path):
+    run = tmp_path / "run"
+    config = moved_config(REPO / "configs" / "kimi_k25.toml", "runs/kimi_k25", run, tmp_path / "kimi.toml")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "torchrun"):
+        (bin_dir / name).write_text(RECORDER.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    record = tmp_path / "calls.jsonl"
+
+    def calls(**env):
+        record.unlink(missing_ok=True)
+        full = {**__import__("os").environ, "PYTHON": str(bin_dir / "python"), "CONFIG": str(config),
+                "RECORD": str(record), "OUT_DIR_EXPECTED": str(run / "hidden_states"), "NUM_ROWS": "5",
+                "SHARD_ROWS": "2", **env}  # fmt: skip
+        subprocess.run(["bash", "scripts/run_kimi_k25.sh"], cwd=REPO, env=full, check=True, timeout=120)
+        return [json.loads(x) for x in record.read_text().splitlines()]
+
+    def stage01(*flags, ranges):
+        return [["python", "01_extract_hidden_states.py", "--config", str(config), *flags, "--serve"]] + [
+            ["python", "01_extract_hidden_states.py", "--config", str(config), *flags, "--start-row", str(a),
+             "--end-row", str(b)] for a, b in ranges]  # fmt: skip
+
+    sessions = run / "sessions.jsonl"
+    session_flags = ("--data-path", str(sessions), "--variant", "sessions", "--max-seq-len", "4096")
+    first = calls(SESSION_TOKENS="4096")
+    tool = ["python", "-m", "eagle3_pipeline.data.sessions", "--config", str(config), "--max-tokens", "4096",
+            "--out", str(sessions)]  # fmt: skip
+    rows = stage01(ranges=[(0, 2), (2, 4), (4, 5)])
+    assert first[2:] == [*rows, tool, *stage01(*session_flags, ranges=[(0, 2), (2, 3)]),
+                         ["python", "02_build_vocab_mapping.py", "--config", str(config)],
+                         ["python", "03_split_data.py", "--config", str(config)],
+                         ["torchrun", "--nproc-per-node", "8", "04_train.py", "--config", str(config)],
+                         ["python", "05_export.py", "--config", str(config)],
+                         ["python", "06_evaluate.py", "--config", str(config)]]  # fmt: skip
+    assert [c[1] for c in first[:2]] == ["01_extract_hidden_states.py", "00_regenerate.py"]  # --plan first
+    assert not (run / "hidden_states" / "vllm-server.json").exists()  # each server stopped
+    again = calls(SESSION_TOKENS="4096")  # the sessions made: not made again, their shards resumed
+    assert tool not in again and again.count(stage01(*session_flags, ranges=[])[0]) == 1
+    assert not any("--variant" in c for c in calls(SESSION_TOKENS="0"))

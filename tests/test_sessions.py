@@ -139,6 +139,39 @@ def test_the_stage_settings_are_the_flag_then_the_config_then_the_stages_default
     assert sessions.config_setting(given, ExtractConfig, "context_tokens", None) is None
 
 
+def test_with_the_runs_config_the_rows_and_tokenizer_are_stage_01s(tiny_run, tmp_path, capsys):
+    """`--config` alone names what stage 01 would read (scripts/run_kimi_k25.sh runs it so): stage 00's
+    conversations under [run] dir and the verifier, each flag still winning; a config naming neither is a
+    one-line error."""
+    config = tiny_run / "tiny.toml"
+    out = tmp_path / "s.jsonl"
+    flags = ["--config", str(config), "--max-tokens", "1500", "--min-tokens", "300", "--passes", "2"]
+    assert sessions.main([*flags, "--out", str(out)]) == 0
+    meta = json.loads(out.with_name(out.name + sessions.META_SUFFIX).read_text())
+    regenerated = tiny_run / "regenerated" / "conversations.jsonl"
+    assert (meta["data_path"], meta["tokenizer"]) == (str(regenerated), str(tiny_run / "verifier"))
+    def answers(rows):
+        from eagle3_pipeline.data.conversations import normalize_row
+
+        return {m["content"] for r in rows for m in normalize_row(r).messages if m["role"] == "assistant"}
+
+    joined = answers(read_jsonl(out))  # the verifier's answers (stage 00's), not the given ones
+    assert joined and joined <= answers(read_jsonl(regenerated))
+    assert not joined & answers(read_jsonl(CONVERSATIONS))
+    given = tmp_path / "given.jsonl"
+    assert sessions.main([*flags, "--out", str(given), "--data-path", str(CONVERSATIONS)]) == 0
+    assert json.loads(given.with_name(given.name + sessions.META_SUFFIX).read_text())["data_path"] == str(
+        CONVERSATIONS
+    )
+    bare = tmp_path / "bare.toml"
+    bare.write_text("[split]\nval_ratio = 0.2\n")
+    capsys.readouterr()
+    assert sessions.main(["--config", str(bare), "--max-tokens", "1500", "--out", str(tmp_path / "x.jsonl")
+                          ]) == 2  # fmt: skip
+    assert "--data-path is required (or --config with [extract] data_path" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
     out = tmp_path / "s.jsonl"
     common = ["--data-path", str(CONVERSATIONS), "--tokenizer", str(tiny_run / "verifier"), "--out", str(out)]

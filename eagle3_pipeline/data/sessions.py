@@ -18,9 +18,12 @@ rows with tools or images stay out (a session has one tool list), as do rows sta
 counts each. A session is rendered from its messages, as given rows are (stage 00's verbatim token ids are
 per row). Measured: docs/results.md "Long sessions from the same rows".
 
-    python -m eagle3_pipeline.data.sessions --config configs/kimi_k25.toml \
-        --data-path runs/kimi_k25/regenerated/conversations.jsonl --tokenizer /models/Kimi-K2.5 \
-        --trust-remote-code --max-tokens 131072 --out runs/kimi_k25/sessions.jsonl
+With --config, the rows and the tokenizer are what stage 01 takes from it (stage 00's conversations, the
+verifier), as are its template kwargs and trust_remote_code; scripts/run_kimi_k25.sh runs both commands
+(SESSION_TOKENS):
+
+    python -m eagle3_pipeline.data.sessions --config configs/kimi_k25.toml --max-tokens 131072 \
+        --out runs/kimi_k25/sessions.jsonl
     python 01_extract_hidden_states.py --config configs/kimi_k25.toml \
         --data-path runs/kimi_k25/sessions.jsonl --variant sessions --max-seq-len 131072
 """
@@ -39,7 +42,7 @@ from typing import Any
 
 from eagle3_pipeline.core import storage
 from eagle3_pipeline.core.cli import progress, setup_logging
-from eagle3_pipeline.core.config import read_config_file
+from eagle3_pipeline.core.config import load_config_file
 from eagle3_pipeline.core.errors import UserError, unwritable
 from eagle3_pipeline.data.config import ExtractConfig, SplitConfig
 from eagle3_pipeline.data.conversations import (
@@ -89,11 +92,31 @@ def extracted_tokens(
 
 def config_setting(a: argparse.Namespace, section: type, name: str, flag: Any) -> Any:
     """A stage's setting as that stage will take it: the flag, else --config's table of `section` (a
-    Settings class, which owns the default), else its default."""
+    Settings class, which owns the default) as the stage reads it (its [serving] mode's and the layout's
+    values under it), else its default."""
     if flag is not None:
         return flag
-    table = read_config_file(str(a.config)).get(section.SECTION, {}) if a.config else {}
-    return table.get(name, next(f.default for f in dataclasses.fields(section) if f.name == name))
+    table = load_config_file(str(a.config), section.SECTION) if a.config else {}
+    if name in table:
+        return table[name]
+    field = next(f for f in dataclasses.fields(section) if f.name == name)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def stage01_inputs(a: argparse.Namespace) -> dict[str, Any]:
+    """--data-path, --tokenizer and --trust-remote-code as stage 01 takes them (from --config when not
+    given: stage 00's output, the verifier); the chat_template_kwargs it renders with."""
+    for attr, name in (("data_path", "data_path"), ("tokenizer", "verifier_path")):
+        value = config_setting(a, ExtractConfig, name, getattr(a, attr))
+        if value is None:
+            flag = "--" + attr.replace("_", "-")
+            raise UserError(f"{flag} is required (or --config with [extract] {name}, or a [regenerate] section: "
+                            "stage 00's)")
+        setattr(a, attr, Path(value))
+    a.trust_remote_code = a.trust_remote_code or config_setting(a, ExtractConfig, "trust_remote_code", None)
+    if a.chat_template_kwargs is not None:
+        return template_kwargs_flag(a.chat_template_kwargs)
+    return config_setting(a, ExtractConfig, "chat_template_kwargs", None)
 
 
 def read_members(path: Path, tokenizer: Any, opts: SampleOptions, context_tokens: int | None
@@ -171,6 +194,7 @@ def build_sessions(members: list[Member], a: argparse.Namespace) -> tuple[list[d
 
 def check_args(a: argparse.Namespace) -> dict[str, Any]:
     """Every check before anything is read or written; the parsed chat_template_kwargs."""
+    kwargs = stage01_inputs(a)
     if not (a.tokenizer / "tokenizer_config.json").is_file():
         raise UserError(f"--tokenizer {a.tokenizer}: no tokenizer_config.json (give the verifier's folder)")
     if not a.data_path.exists():
@@ -195,13 +219,15 @@ def check_args(a: argparse.Namespace) -> dict[str, Any]:
     existing = next(p for p in (a.out.parent, *a.out.parent.parents) if p.exists())
     if not existing.is_dir():
         raise UserError(f"--out {a.out}: {existing} is a file, not a folder")
-    return template_kwargs_flag(a.chat_template_kwargs)
+    return kwargs
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-path", type=Path, required=True, help="conversations .jsonl / .json / dataset")
-    p.add_argument("--tokenizer", type=Path, required=True, help="the verifier's folder: tokenizer, template")
+    p.add_argument("--data-path", type=Path,
+                   help="conversations .jsonl / .json / dataset (default: --config's stage 01 input)")
+    p.add_argument("--tokenizer", type=Path,
+                   help="the verifier's folder: tokenizer, template (default: --config's verifier)")
     p.add_argument("--out", type=Path, required=True, help="sessions .jsonl: stage 01's --data-path")
     p.add_argument("--passes", type=int, default=PASSES, help="times each row joins a session")
     p.add_argument("--min-tokens", type=int, default=2048, help="shortest session target, tokens")
@@ -209,17 +235,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest session target, tokens: stage 01's --max-seq-len for the sessions")
     p.add_argument("--seed", type=int, default=0, help="the rows' order and the sessions' lengths")
     p.add_argument("--config", type=Path,
-                   help="the run's config: --split-seed and --val-ratio from [split], --context-tokens from "
-                        "[extract]")
+                   help="the run's config: --split-seed and --val-ratio from [split]; --data-path, --tokenizer, "
+                        "--context-tokens, --chat-template-kwargs, --trust-remote-code as stage 01 takes them")
     p.add_argument("--split-seed", type=int, help="stage 03's --seed (default: --config's, else stage 03's)")
     p.add_argument("--val-ratio", type=float, help="stage 03's --val-ratio (default: as --split-seed)")
-    p.add_argument("--chat-template-kwargs", default="{}", help="JSON, as stage 01 renders the rows")
+    p.add_argument("--chat-template-kwargs",
+                   help="JSON, as stage 01 renders the rows (default: --config's, else {})")
     p.add_argument("--context-tokens", type=int,
                    help="stage 01's --context-tokens, for the printed cost (default: --config's, else all)")
     p.add_argument("--cost-sessions", type=int, default=COST_SESSIONS,
                    help="sessions whose stage-01 samples are counted for the printed cost: all when fewer, "
                         "else a seeded sample of this many, scaled to all")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help="(default: --config's [extract])")
     return p
 
 
