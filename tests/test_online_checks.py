@@ -16,8 +16,9 @@ from conftest import CONVERSATIONS, extract_args, run_script, script
 @pytest.fixture(scope="module")
 def token_inputs(tiny_verifier, tmp_path_factory):
     root = tmp_path_factory.mktemp("tokens")
-    run_script(*extract_args(tiny_verifier, CONVERSATIONS, root / "hs"), "--storage-dtype", "none",
-               "--max-seq-len", "1024")  # fmt: skip
+    made = run_script(*extract_args(tiny_verifier, CONVERSATIONS, root / "hs"), "--storage-dtype", "none",
+                      "--max-seq-len", "1024", "--context-tokens", "16")  # fmt: skip
+    (root / "extract.log").write_text(made.stderr)
     run_script(script("02_build_vocab_mapping.py"), "--data-dir", str(root / "hs"), "--out-dir",
                str(root / "vocab"), "--draft-vocab-size", "96")  # fmt: skip
     return root
@@ -35,6 +36,16 @@ def _train(root, *extra: str):
         "--out-dir", str(root / "run"), "--overwrite", "--max-steps", "2", "--num-attention-heads", "4",
         "--num-key-value-heads", "4", "--head-dim", "64", "--intermediate-size", "512", *extra, check=False,
     )  # fmt: skip
+
+
+def test_token_shards_keep_every_token_and_say_that_context_tokens_is_not_applied(token_inputs):
+    """A config's context_tokens (the Kimi config's) given to token shards: whole samples, said in the log."""
+    from eagle3_pipeline.data.shards import open_shards
+
+    assert "context_tokens 16: not applied to token shards" in (token_inputs / "extract.log").read_text()
+    samples = open_shards([str(token_inputs / "hs")], verify=False).samples
+    assert samples and all(s.position == 0 for s in samples)  # none stored from a cut
+    assert max(s.first_loss for s in samples) > 16 + 1  # where a cut at 16 would have applied
 
 
 def test_with_no_server_left_the_run_stops_naming_each_server_and_why(token_inputs):

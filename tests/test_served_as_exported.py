@@ -137,7 +137,7 @@ def test_run_kimi_k25_extracts_the_rows_then_their_sessions_each_through_its_own
     session_flags = ("--data-path", str(sessions), "--variant", "sessions", "--max-seq-len", "4096")
     first = calls(SESSION_TOKENS="4096")
     tool = ["python", "-m", "eagle3_pipeline.data.sessions", "--config", str(config), "--max-tokens", "4096",
-            "--out", str(sessions)]  # fmt: skip
+            "--passes", "1", "--out", str(sessions)]  # fmt: skip
     rows = stage01(ranges=[(0, 2), (2, 4), (4, 5)])
     assert first[2:] == [*rows, tool, *stage01(*session_flags, ranges=[(0, 2), (2, 3)]),
                          ["python", "02_build_vocab_mapping.py", "--config", str(config)],

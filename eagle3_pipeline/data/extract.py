@@ -221,6 +221,9 @@ def _run_shard(cfg: ExtractConfig, facts: Any, aux_ids: list[int], loaded: dict[
         settings["variant"] = cfg.variant
     if cfg.context_tokens is not None and storage_dtype != state_dtype.NO_STATES:  # what a part stores
         settings["context_tokens"] = cfg.context_tokens
+    elif cfg.context_tokens is not None:
+        log.info("context_tokens %d: not applied to token shards, which keep every token (online states "
+                 "need each sample's whole prefix)", cfg.context_tokens)  # fmt: skip
     if storage_dtype == state_dtype.FP8:  # a resume of an older per-token-scale fp8 shard is refused
         settings["fp8_scales"] = state_dtype.FP8_SCALES
     # (an hf shard's settings are those of the shards written before engines; a token shard has no engine)
