@@ -97,6 +97,31 @@ def test_a_thinking_session_costs_stage_01_a_sample_per_turn_an_append_only_one_
     assert sessions.extracted_tokens(session, tok, instant, 4)[0] == len(whole.input_ids) - (first - 1 - 4)
 
 
+def test_stage_01s_disk_estimate_counts_what_it_stores_of_a_thinking_session(tmp_path):
+    """The free-space check and --plan sample rows (samples.sample_lengths) with stage 01's options: a
+    thinking-mode session counts every turn's sample, from context_tokens before its answer; tokenized once
+    (no options) it would count the session a single time, far below what stage 01 writes."""
+    from kimi_fixture import build_kimi_tokenizer
+
+    from eagle3_pipeline.data.samples import SampleOptions, sample_lengths
+
+    tok = build_kimi_tokenizer()
+    rows = [sessions.Member(f"r{i}", [{"role": "user", "content": f"Question {i}?"},
+                                      {"role": "assistant", "content": f"Answer {i}.",
+                                       "reasoning_content": f"Thinking about {i} at some length."}], 0)
+            for i in range(4)]  # fmt: skip
+    session = sessions.joined(rows, [0, 1, 2, 3], 0)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(session) + "\n")
+    thinking = SampleOptions(1 << 20)
+    whole, read = sample_lengths(tok, path, "train", 0, 1, 1 << 20, 8, thinking)
+    assert read == 1 and whole == [sessions.extracted_tokens(session, tok, thinking, None)[0]]
+    cut, _ = sample_lengths(tok, path, "train", 0, 1, 1 << 20, 8, thinking, 4)
+    assert cut == [sessions.extracted_tokens(session, tok, thinking, 4)[0]] and cut[0] < whole[0]
+    once, _ = sample_lengths(tok, path, "train", 0, 1, 1 << 20, 8)
+    assert whole[0] > 2 * once[0]
+
+
 def test_the_cost_is_counted_on_every_session_up_to_cost_sessions_then_on_a_seeded_sample_scaled():
     """Counting renders each session as stage 01 does (quadratic in the turns under a thinking template):
     beyond --cost-sessions a seeded sample is counted and scaled to all, and the meta says how many."""

@@ -68,6 +68,7 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
         from eagle3_pipeline.core.cli import setup_logging
         from eagle3_pipeline.data.conversations import read_rows
         from eagle3_pipeline.data.samples import SampleOptions, block_samples, sample_tokens_per_row
+        from eagle3_pipeline.data.state_dtype import NO_STATES
 
         setup_logging(logging.getLevelName(level))
         tokenizer = AutoTokenizer.from_pretrained(
@@ -78,6 +79,7 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
                              base_dir=data if data.is_dir() else data.parent,
                              variant=cfg.variant)  # fmt: skip
         opts.images, opts.no_images_why = extract_images(cfg, tokenizer)
+        stored_context = None if cfg.storage_dtype == NO_STATES else cfg.context_tokens  # what a part stores
     except BaseException as e:  # noqa: BLE001 - said in the stage's process
         put(("error", isinstance(e, UserError), f"{type(e).__name__}: {e}"))
         return
@@ -93,9 +95,8 @@ def _serve(jobs: Any, out: Any, cfg: ExtractConfig, level: int, parent: int) -> 
                 return
             if job[0] == "estimate":
                 start, end = job[1:]
-                per_row = sample_tokens_per_row(
-                    tokenizer, data, cfg.data_split, start, end, cfg.max_seq_len, opts=opts
-                )
+                per_row = sample_tokens_per_row(tokenizer, data, cfg.data_split, start, end, cfg.max_seq_len,
+                                                opts=opts, context_tokens=stored_context)  # fmt: skip
                 put(("estimate", per_row))
                 continue
             _, todo, done = job

@@ -450,22 +450,34 @@ def block_samples(
     return accepted, rejects
 
 
+def extracted_tokens(
+    row: Any, tokenizer: Any, opts: SampleOptions, context_tokens: int | None, index: int = 0
+) -> tuple[int, int]:
+    """(tokens stored, longest sample) of what stage 01 extracts for a row: in a template that erases earlier
+    reasoning (Kimi-K2.5's thinking mode) every turn is a sample of its whole context, so a conversation
+    of n turns stores about n / 2 times its length, or with `context_tokens` (stage 01's) n times that
+    many and a turn; append-only templates one sample, the conversation itself."""
+    made = row_samples(row, index, tokenizer, opts)
+    stored = sum(len(smp.input_ids) - stored_from(smp.loss_mask, context_tokens) for smp in made)
+    return stored, max(len(smp.input_ids) for smp in made)
+
+
 def sample_lengths(
     tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64,
-    opts: SampleOptions | None = None,
+    opts: SampleOptions | None = None, context_tokens: int | None = None,
 ) -> tuple[list[int], int]:
     """(token counts of the accepted rows, rows read) over the first n rows of [start, end). With `opts`
-    of a verifier that takes images, a row counts the samples stage 01 stores, each image as its tokens
-    (without them an image row would count as a rejected one: nothing)."""
+    (stage 01's), a row counts the tokens of the samples stage 01 stores (extracted_tokens: every turn's
+    context in a template that erases reasoning, from `context_tokens` before its answer, each image as its
+    tokens); without, the row tokenized once."""
     lengths, read = [], 0
     for raw in read_rows(data_path, start, min(end, start + n), split):
         read += 1
         try:
             if raw.error:
                 raise RowRejected(raw.error)
-            if opts is not None and opts.images is not None:
-                samples = row_samples(raw.value, raw.index, tokenizer, opts)
-                lengths.append(sum(len(smp.input_ids) for smp in samples))
+            if opts is not None:
+                lengths.append(extracted_tokens(raw.value, tokenizer, opts, context_tokens, raw.index)[0])
                 continue
             _, messages = normalize_messages(raw.value)
             ids, _ = tokenize_conversation(tokenizer, messages, max_seq_len)
@@ -477,8 +489,9 @@ def sample_lengths(
 
 def sample_tokens_per_row(
     tokenizer: Any, data_path: Path, split: str, start: int, end: int, max_seq_len: int, n: int = 64,
-    opts: SampleOptions | None = None,
+    opts: SampleOptions | None = None, context_tokens: int | None = None,
 ) -> float | None:
     """Mean tokens per input row (a rejected row counts 0) over a sample; None without rows."""
-    lengths, read = sample_lengths(tokenizer, data_path, split, start, end, max_seq_len, n, opts)
+    lengths, read = sample_lengths(tokenizer, data_path, split, start, end, max_seq_len, n, opts,
+                                   context_tokens)  # fmt: skip
     return sum(lengths) / read if read else None

@@ -57,8 +57,7 @@ from eagle3_pipeline.data.samples import (
     SESSION_MARK,
     SampleOptions,
     conversation_id,
-    row_samples,
-    stored_from,
+    extracted_tokens,
 )
 from eagle3_pipeline.data.split import is_val
 from eagle3_pipeline.models.verifier import read_text_config
@@ -76,18 +75,6 @@ class Member:
     messages: list[dict[str, Any]]
     tokens: int  # the row rendered alone: its length in a session
     extracted: int = 0  # the tokens of its stage-01 samples
-
-
-def extracted_tokens(
-    row: Any, tokenizer: Any, opts: SampleOptions, context_tokens: int | None
-) -> tuple[int, int]:
-    """(tokens stored, longest sample) of what stage 01 extracts for a row: in a template that erases earlier
-    reasoning (Kimi-K2.5's thinking mode) every turn is a sample of its whole context, so a session of
-    n turns stores about n / 2 times its length, or with `context_tokens` (stage 01's) n times that many
-    and a turn; append-only templates one sample, the session itself."""
-    made = row_samples(row, 0, tokenizer, opts)
-    stored = sum(len(smp.input_ids) - stored_from(smp.loss_mask, context_tokens) for smp in made)
-    return stored, max(len(smp.input_ids) for smp in made)
 
 
 def config_setting(a: argparse.Namespace, section: type, name: str, flag: Any) -> Any:

@@ -483,7 +483,7 @@ def _tokens_from_data(
     of_verifier = dataclasses.replace(extract, verifier_path=str(verifier_path))
     render.images, render.no_images_why = extract_images(of_verifier, tokenizer)
     lengths, read = sample_lengths(tokenizer, data_path, split, 0, rows or 0, max_seq_len,
-                                   opts.plan_sample_rows, render)  # fmt: skip
+                                   opts.plan_sample_rows, render, extract.context_tokens)  # fmt: skip
     per_row = sum(lengths) / read if read else None
     return Tokens(rows, per_row, lengths, f"tokenized {read} rows of {data_path}")
 
