@@ -98,6 +98,37 @@ def test_cpu_plugin_lets_a_seeded_request_survive_the_rewind_after_a_chunked_pre
     assert lines == ["bare CPU Generator does not use offset", "plugin True"], proc.stdout[-2000:]
 
 
+REBIND_PROBE = """
+import sys
+import llvmlite.binding  # what Kimi-K2.5's fused image processor loads, with numba
+from vllm.triton_utils import dispatcher
+from eagle3_vllm_cpu import rebind, sampler
+name = "vllm.v1.sample.rejection_sampler.expand_kernel"
+try:
+    dispatcher.register_kernels({name: sampler.expand_kernel_impl})
+    print("@@bare registered")
+except AttributeError as e:
+    print("@@bare", e)
+rebind.register()
+dispatcher.register_kernels({name: sampler.expand_kernel_impl})
+print("@@plugin registered", "llvmlite.binding.ffi" in sys.modules)
+"""
+
+
+def test_cpu_plugin_lets_the_kernel_scan_pass_llvmlite_in_the_process():
+    """vLLM's kernel-override scan of every module, as a worker start runs it in a process that has
+    loaded numba (an engine in the worker's own process after a Kimi-K2.5 one): bare, it raises on
+    llvmlite's function wrappers and the engine does not start; with the plugin it registers, llvmlite
+    still loaded."""
+    import subprocess
+
+    proc = subprocess.run([str(vllm_engine.default_python()), "-c", REBIND_PROBE], capture_output=True,
+                          text=True, timeout=600, env=vllm_engine._worker_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x[2:] for x in proc.stdout.splitlines() if x.startswith("@@")]
+    assert lines == ["bare '_lib_fn_wrapper' object has no attribute 'get'", "plugin registered True"], lines
+
+
 # The two verifiers the tier serves (conftest.TIER_CONFIGS): a tiny Llama, and a tiny DeepSeek-V3 with
 # Kimi-K2.5's MLA latent, the code path Kimi takes in vLLM.
 
@@ -230,6 +261,20 @@ def test_trained_draft_accepts_far_more_than_untrained_in_vllm(tier_run, prompts
     print(f"\nuntrained draft: vLLM {untrained['mean_acceptance_length']:.3f}")
     assert untrained["outputs"] == trained["vllm"]["outputs"]  # lossless whatever the draft
     assert trained["vllm"]["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 1.0
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+@pytest.mark.parametrize("tier_run", ["mla"], indirect=True)
+def test_the_generation_engine_runs_in_the_workers_own_process(tier_run, prompts, worker):
+    """vLLM-cpu's generation engine in the session worker's process (vllm_side/cpu.py `in_process`): no
+    EngineCore or executor process of its own while it is up, and it serves as those did (the tier's
+    lossless and counter tests run on it)."""
+    (served,) = generate_in(worker, tier_run / "verifier", tier_run / "draft", prompts[:2])
+    assert served["num_drafts"] > 0
+    assert child_pids(worker.proc.pid) == []
 
 
 # A long-context draft: the tier's tiny Llama verifier given yarn positions (factor 4 over 512: 2,048), a

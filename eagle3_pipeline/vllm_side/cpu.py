@@ -7,6 +7,7 @@ scripts/setup_vllm_cpu.sh into the CPU environment only.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from eagle3_pipeline.vllm_side.protocol import text_config
@@ -17,6 +18,30 @@ ENGINE_SETTINGS = {"compilation_config": {"custom_ops": ["all", "-rotary_embeddi
 # The CPU build's replacement for vLLM's hidden-states connector (cpu_plugin/eagle3_vllm_cpu/connector.py)
 CONNECTOR = {"kv_connector": "CpuHiddenStatesConnector",
              "kv_connector_module_path": "eagle3_vllm_cpu.connector"}  # fmt: skip
+_MULTIPROCESSING = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # as the worker was started
+
+
+def in_process(req: dict, tensor_parallel_size: int) -> dict:
+    """A generation engine in the worker's own process: vLLM's in-process engine core
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, read when an engine starts) and, at one rank, its uniprocess
+    executor. By default an engine is two more processes (EngineCore, then its worker), each importing
+    vLLM again: an engine of the tier's tiny MLA verifier started and ran 6 x 64 tokens in 23-32 s wall
+    and ~25 CPU-s that way, in 5-12 s in the worker's process, the outputs and counters equal; 8 engines
+    one after another held the same memory (docs/results.md "CI time"). Extraction keeps vLLM's
+    processes: its hidden-states connector writes a finished request's file at the engine's next step,
+    which an engine in this process does not take once generate has returned (measured: the worker
+    waited on the file's lock for good)."""
+    from vllm import envs
+
+    envs.disable_envs_cache()  # an engine core caches the variables it read (envs.enable_envs_cache)
+    if req["task"] == "extract" or tensor_parallel_size != 1:
+        if _MULTIPROCESSING is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = _MULTIPROCESSING
+        return {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "uni"}
 
 
 def _has_routed_experts(verifier: str) -> bool:

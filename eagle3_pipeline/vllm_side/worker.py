@@ -237,6 +237,7 @@ def engine_kwargs(req: dict) -> dict:
         kwargs["enable_prefix_caching"] = False  # a part's states must not depend on the parts before it
     if current_platform.is_cpu():
         kwargs.update(cpu.ENGINE_SETTINGS, dtype=cpu.cpu_dtype(req))
+        kwargs.update(cpu.in_process(req, kwargs["tensor_parallel_size"]))
         attention = cpu.attention_config(kwargs["dtype"], req["verifier"])
         if attention is not None:
             kwargs["attention_config"] = attention

@@ -8,7 +8,9 @@ CPU environment; on any other platform it does nothing.
 
 It also replaces the CPU stand-in of the rejection sampler's `expand_kernel`, which loses every float
 and int32 output (sampler.py): without it no acceptance at temperature > 0 means anything on CPUs; and
-gives seeded requests a CPU generator that a chunked prefill's rewind does not crash (generators.py).
+gives seeded requests a CPU generator that a chunked prefill's rewind does not crash (generators.py),
+and lets vLLM's kernel-override scan pass modules it cannot read (rebind.py), which an engine in the
+worker's own process meets once a Kimi-K2.5 engine has loaded numba there.
 """
 
 
@@ -25,7 +27,8 @@ def register() -> None:
     cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
         get_supported_kernel_block_sizes
     )
-    from eagle3_vllm_cpu import generators, sampler
+    from eagle3_vllm_cpu import generators, rebind, sampler
 
+    rebind.register()
     sampler.register()
     generators.register()
