@@ -25,9 +25,8 @@ def in_process(req: dict, tensor_parallel_size: int) -> dict:
     """A generation engine in the worker's own process: vLLM's in-process engine core
     (VLLM_ENABLE_V1_MULTIPROCESSING=0, read when an engine starts) and, at one rank, its uniprocess
     executor. By default an engine is two more processes (EngineCore, then its worker), each importing
-    vLLM again: an engine of the tier's tiny MLA verifier started and ran 6 x 64 tokens in 23-32 s wall
-    and ~25 CPU-s that way, in 5-12 s in the worker's process, the outputs and counters equal; 8 engines
-    one after another held the same memory (docs/results.md "CI time"). Extraction keeps vLLM's
+    vLLM again: a third of the time in the worker's process, the outputs and counters equal, the memory
+    flat over many engines (docs/results.md "CI time"). Extraction keeps vLLM's
     processes: its hidden-states connector writes a finished request's file at the engine's next step,
     which an engine in this process does not take once generate has returned (measured: the worker
     waited on the file's lock for good)."""
